@@ -1,0 +1,56 @@
+"""The token-in/token-out generation interface every rollout is written against.
+
+A backend keeps per-session state (for the local backend: the KV cache), so a multi-turn
+rollout feeds only the tokens appended since its previous call, never the whole prefix again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 256
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()  # generation ends once the decoded output ends with one of these
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]  # as sampled, stop token/string included
+    logprobs: list[float]  # log p(token) under the sampling distribution's model (temperature 1 logits)
+    finish_reason: str  # "stop" (stop token/string) or "length"
+    text: str = ""
+
+
+@dataclass
+class GenStats:
+    prefill_tokens: int = 0  # prompt tokens actually encoded by the model
+    generated_tokens: int = 0
+    calls: int = 0
+    seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Generator(Protocol):
+    """Token-in/token-out generation with sessions.
+
+    `generate(sessions, new_tokens, params)`: new_tokens[i] are the tokens appended to session
+    i's sequence since its previous call (the whole prompt on the first call). A session's full
+    sequence is the concatenation of everything fed and everything returned to it, in order.
+    All listed sessions advance together as one batch.
+    """
+
+    tokenizer: Any
+    stats: GenStats
+
+    def open(self, n: int) -> list[int]: ...
+
+    def generate(self, sessions: list[int], new_tokens: list[list[int]], params: SamplingParams) -> list[Completion]: ...
+
+    def close(self, sessions: list[int]) -> None: ...

@@ -1,0 +1,64 @@
+"""The `envace` console script. Each command is one config dataclass (its flags) and one function."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Any, Callable
+
+from envace import config as cfgmod
+
+# command -> (help, "module:ConfigClass", "module:function")
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "eval": ("evaluate a model on worlds, a task file or a benchmark", "envace.evaluation.runner:EvalConfig", "envace.evaluation.runner:run_eval"),
+    "tasks": ("write built-in tasks to a JSONL task file", "envace.envs.export:ExportConfig", "envace.envs.export:export_tasks"),
+    "serve": ("serve a model as an OpenAI-compatible HTTP server", "envace.backends.server:ServeConfig", "envace.backends.server:serve_command"),
+}
+
+
+def _load(spec: str) -> Any:
+    module, _, attr = spec.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors that mean bad input: reported as one clear line, not a traceback."""
+    from envace.registry import RegistryError
+
+    errors: list[type[BaseException]] = [cfgmod.ConfigError, RegistryError, FileNotFoundError]
+    for spec in ("envace.backends.models:ModelNotFoundError", "envace.backends.openai_http:BackendUnreachableError", "envace.envs.tasks:TaskFormatError", "envace.transcript:TemplateError"):
+        try:
+            errors.append(_load(spec))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(errors)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="envace", description="Train and run tool-using agents with world rehearsal.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (help_text, config_spec, _) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        cfgmod.add_arguments(p, _load(config_spec))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _, config_spec, fn_spec = COMMANDS[args.command]
+    try:
+        cfg = cfgmod.from_namespace(_load(config_spec), args)
+        run: Callable[[Any], Any] = _load(fn_spec)
+        run(cfg)
+    except _user_errors() as exc:
+        print(f"envace {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"envace {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""The executable tool-world contract.
+
+A `ToolWorld` holds JSON-serialisable state, exposes tools as methods decorated with `@tool`
+(OpenAI function schemas), validates every call against its schema, and turns any bad call
+into the error a real service would return: the rollout never crashes on a tool call.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+from typing import Any, Callable, ClassVar
+
+import jsonschema
+
+from envace.registry import Registry
+from envace.types import Task, ToolCall
+
+WORLDS: Registry[type["ToolWorld"]] = Registry("environment")
+
+
+class ToolError(Exception):
+    """Raised inside a tool to return a service error: {"error": {"code", "message"}}."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def tool(description: str, properties: dict[str, Any] | None = None, required: list[str] | None = None):
+    """Mark a world method as a tool and attach its OpenAI function schema."""
+
+    def mark(fn: Callable) -> Callable:
+        fn.__tool_schema__ = {
+            "type": "function",
+            "function": {
+                "name": fn.__name__,
+                "description": description,
+                "parameters": {
+                    "type": "object",
+                    "properties": properties or {},
+                    "required": list(required or []),
+                    "additionalProperties": False,
+                },
+            },
+        }
+        return fn
+
+    return mark
+
+
+def error(code: str, message: str) -> dict[str, Any]:
+    return {"error": {"code": code, "message": message}}
+
+
+class ToolWorld:
+    """Base class for executable worlds. Subclasses define `@tool` methods and `generate_tasks`."""
+
+    name: ClassVar[str] = ""
+    # Documentation the agent sees (system prompt): states the rules that make responses predictable.
+    description: ClassVar[str] = ""
+    # Tools whose effect cannot be undone (checked by the pre-commit rehearsal guard).
+    irreversible_tools: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self, state: dict[str, Any] | None = None):
+        self.state: dict[str, Any] = {}
+        self.reset(state)
+
+    # ---- state -------------------------------------------------------------------------
+    def reset(self, state: dict[str, Any] | None = None) -> None:
+        self.state = copy.deepcopy(state) if state is not None else self.default_state()
+
+    def default_state(self) -> dict[str, Any]:
+        return {}
+
+    def snapshot(self) -> dict[str, Any]:
+        return copy.deepcopy(self.state)
+
+    # ---- tools -------------------------------------------------------------------------
+    @classmethod
+    def tool_schemas(cls) -> list[dict[str, Any]]:
+        schemas = []
+        for attr in sorted(dir(cls)):
+            schema = getattr(getattr(cls, attr, None), "__tool_schema__", None)
+            if schema is not None:
+                schemas.append(copy.deepcopy(schema))
+        return schemas
+
+    @classmethod
+    def tool_names(cls) -> list[str]:
+        return [s["function"]["name"] for s in cls.tool_schemas()]
+
+    def call(self, name: str, arguments: Any) -> dict[str, Any]:
+        """Execute one call. Always returns a JSON object; errors are observations, not exceptions."""
+        schema = next((s for s in self.tool_schemas() if s["function"]["name"] == name), None)
+        if schema is None:
+            return error("TOOL_NOT_FOUND", f"unknown tool {name!r}; available: {', '.join(self.tool_names())}")
+        if not isinstance(arguments, dict):
+            return error("INVALID_ARGUMENTS", f"arguments must be a JSON object, got {type(arguments).__name__}")
+        try:
+            jsonschema.validate(arguments, schema["function"]["parameters"])
+        except jsonschema.ValidationError as exc:
+            where = ".".join(str(p) for p in exc.absolute_path) or "arguments"
+            return error("INVALID_ARGUMENTS", f"{where}: {exc.message}")
+        try:
+            result = getattr(self, name)(**arguments)
+        except ToolError as exc:
+            return error(exc.code, exc.message)
+        # Round-trip through JSON so observations are exactly what a service would send.
+        return json.loads(json.dumps(result if isinstance(result, dict) else {"result": result}))
+
+    def execute(self, call: ToolCall) -> dict[str, Any]:
+        return self.call(call.name, call.arguments)
+
+    # ---- tasks -------------------------------------------------------------------------
+    @classmethod
+    def generate_tasks(cls, n: int, split: str, seed: int = 0, difficulty: int = 1) -> list[Task]:
+        """Seeded task generator. Subclasses implement `make_task(rng, index, difficulty)`."""
+        rng = random.Random(f"{cls.name}:{split}:{seed}")
+        tasks = []
+        for i in range(n):
+            task = cls.make_task(rng, i, difficulty)
+            task.split = split
+            task.id = f"{cls.name}-{split}-{seed}-{i}"
+            task.world = cls.name
+            tasks.append(task)
+        return tasks
+
+    @classmethod
+    def make_task(cls, rng: random.Random, index: int, difficulty: int) -> Task:
+        raise NotImplementedError(f"{cls.__name__} does not generate tasks")
+
+    # ---- verification ------------------------------------------------------------------
+    def verify(self, task: Task, final_answer: str | None) -> tuple[float, dict[str, Any]]:
+        """Check the task's success spec against this world's current state and the answer."""
+        return check_success(task.success, self.state, final_answer)
+
+
+def get_path(state: Any, path: str) -> Any:
+    """Read 'a.b.0.c' from nested dicts/lists; raises KeyError if absent."""
+    node = state
+    for part in path.split(".") if path else []:
+        if isinstance(node, list):
+            node = node[int(part)]
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            raise KeyError(path)
+    return node
+
+
+def _answer_numbers(text: str) -> list[float]:
+    import re
+
+    return [float(m.replace(",", "")) for m in re.findall(r"-?\d[\d,]*\.?\d*", text)]
+
+
+def check_success(spec: dict[str, Any], state: dict[str, Any], final_answer: str | None) -> tuple[float, dict[str, Any]]:
+    """Deterministic verifier over a success spec (documented in docs/tasks.md).
+
+    spec = {"state": [{"path": "...", "equals": v} | {"path": "...", "absent": true}],
+            "answer": {"contains": [str, ...]} | {"number": x, "tol": t}}
+    Score is 1.0 only when every check passes; details list each check.
+    """
+    checks: list[dict[str, Any]] = []
+    for cond in spec.get("state", []):
+        path = cond["path"]
+        try:
+            value = get_path(state, path)
+            present = True
+        except (KeyError, IndexError, ValueError):
+            value, present = None, False
+        if cond.get("absent"):
+            ok = not present
+        else:
+            ok = present and value == cond.get("equals")
+        checks.append({"check": f"state {path}", "ok": ok, "got": value})
+    answer_spec = spec.get("answer")
+    if answer_spec:
+        text = final_answer or ""
+        if "contains" in answer_spec:
+            lowered = text.lower()
+            ok = all(str(s).lower() in lowered for s in answer_spec["contains"])
+        elif "number" in answer_spec:
+            tol = answer_spec.get("tol", 1e-6)
+            ok = any(abs(x - answer_spec["number"]) <= tol for x in _answer_numbers(text))
+        else:
+            raise ValueError(f"answer spec needs 'contains' or 'number', got {answer_spec}")
+        checks.append({"check": "answer", "ok": ok, "got": text[:200]})
+    if not checks:
+        raise ValueError("success spec has no checks: give 'state' assertions and/or an 'answer'")
+    passed = all(c["ok"] for c in checks)
+    return (1.0 if passed else 0.0), {"checks": checks, "passed": sum(c["ok"] for c in checks), "total": len(checks)}

@@ -1,0 +1,92 @@
+"""Summary statistics for evaluations: success with a confidence interval, tool-call F1,
+rehearsal fidelity, cost per task."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any
+
+from envace.fidelity import summarize, trajectory_fidelity
+from envace.rewards import multiset_f1
+from envace.types import Role, Task, Trajectory
+
+
+def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval for a binomial proportion (sensible at small n and p near 0/1)."""
+    if n == 0:
+        return 0.0, 0.0
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def tool_call_prf(task: Task, traj: Trajectory) -> dict[str, float] | None:
+    """Name-level precision/recall/F1 of the calls against the task's reference calls."""
+    if not task.reference_calls:
+        return None
+    p, r, f1 = multiset_f1([c.name for c in traj.tool_calls], [c["name"] for c in task.reference_calls])
+    return {"precision": p, "recall": r, "f1": f1}
+
+
+def trajectory_record(task: Task, traj: Trajectory, success_threshold: float = 1.0) -> dict[str, Any]:
+    """One flat record per trajectory: what summaries aggregate and what the JSONL stores."""
+    record: dict[str, Any] = {
+        "task_id": task.id,
+        "world": task.world,
+        "split": task.split,
+        "hidden_state": task.hidden_state,
+        "difficulty": task.difficulty,
+        "reward": traj.reward,
+        "success": float((traj.reward or 0.0) >= success_threshold),
+        "end_reason": traj.end_reason.value if traj.end_reason else None,
+        "num_calls": len(traj.tool_calls),
+        "real_env_calls": traj.real_env_calls,
+        "act_tokens": traj.num_tokens(Role.ACT),
+        "rehearse_tokens": traj.num_tokens(Role.REHEARSE),
+        "total_tokens": traj.num_tokens(),
+        "seconds": traj.seconds,
+        "penalties": dict(traj.penalties),
+    }
+    prf = tool_call_prf(task, traj)
+    if prf:
+        record.update({f"tool_{k}": v for k, v in prf.items()})
+    real = traj.reward_details.get("real_observations")
+    if traj.mode != "real" and real is not None:
+        record["fidelity"] = trajectory_fidelity(traj, real)
+    return record
+
+
+def summarize_records(records: list[dict[str, Any]]) -> dict[str, Any]:
+    n = len(records)
+    if n == 0:
+        return {"n": 0}
+    successes = sum(r["success"] for r in records)
+    low, high = wilson_interval(successes, n)
+    out: dict[str, Any] = {
+        "n": n,
+        "success_rate": successes / n,
+        "success_ci95": [low, high],
+        "mean_reward": sum(r["reward"] or 0.0 for r in records) / n,
+        "tokens_per_task": sum(r["total_tokens"] for r in records) / n,
+        "seconds_per_task": sum(r["seconds"] for r in records) / n,
+        "real_env_calls": sum(r["real_env_calls"] for r in records),
+        "malformed": sum(sum(r["penalties"].values()) for r in records),
+    }
+    with_ref = [r for r in records if "tool_f1" in r]
+    if with_ref:
+        for k in ("precision", "recall", "f1"):
+            out[f"tool_{k}"] = sum(r[f"tool_{k}"] for r in with_ref) / len(with_ref)
+    calls = [c for r in records for c in r.get("fidelity", [])]
+    if any("fidelity" in r for r in records):
+        out.update(summarize(calls))
+    return out
+
+
+def summarize_by(records: list[dict[str, Any]], key: str) -> dict[str, dict[str, Any]]:
+    buckets: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        buckets[str(r[key])].append(r)
+    return {k: summarize_records(v) for k, v in sorted(buckets.items())}

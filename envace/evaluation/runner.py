@@ -1,0 +1,164 @@
+"""`envace eval`: run a model on built-in worlds, a task file or a benchmark, in real or
+rehearse mode, and write per-task trajectories plus a summary (JSON + Markdown)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from envace import config as cfgmod
+from envace.config import ConfigError, field
+from envace.evaluation.metrics import summarize_by, summarize_records, trajectory_record
+from envace.evaluation.report import print_summary, write_summary
+from envace.rewards import REWARDS, Context, compute_rewards
+from envace.rollout import RolloutConfig, RolloutEngine
+from envace.types import Task, Trajectory
+
+
+@dataclass
+class EvalConfig:
+    model: str = field("default", help="model: 'default' (bundled SmolLM2-135M-Instruct), a local directory, a .gguf file, or an http(s):// OpenAI-compatible URL")
+    tokenizer: str | None = field(None, help="tokenizer spec for an http model (default: the bundled model's)")
+    api_model: str = field("default", help="model name sent to an OpenAI-compatible server")
+    worlds: list[str] = field([], help="built-in world names or module:Class (default: all worlds of the split)")
+    tasks: str | None = field(None, help="JSONL task file (docs/tasks.md) instead of built-in worlds")
+    benchmark: str | None = field(None, help="benchmark name (bfcl, tau2, finmcp, vitabench, all)")
+    split: str = field("test", help="built-in split: train | val | test | heldout")
+    n_per_world: int = field(4, help="built-in tasks per world")
+    difficulty: int | None = field(None, help="built-in task difficulty 1-3 (default: mixed)")
+    limit: int | None = field(None, help="evaluate at most this many tasks")
+    mode: Literal["real", "rehearse", "simulator"] = field("real", help="who answers tool calls")
+    rehearse_layout: Literal["transcript", "isolated"] = field("transcript", help="rehearse in the agent's transcript or from a separate simulator prompt")
+    simulator: str | None = field(None, help="frozen simulator model for --mode simulator")
+    reward: str = field("replay", help="reward: replay | reference | judge | module:function")
+    judge: str | None = field(None, help="judge model for the 'judge' reward")
+    k: int = field(1, help="samples per task")
+    temperature: float = field(0.6, help="sampling temperature (0 = greedy)")
+    top_p: float = field(0.95, help="nucleus sampling")
+    max_turns: int = field(8, help="ACT turns per task")
+    max_turn_tokens: int = field(192, help="tokens per ACT turn")
+    max_rehearse_tokens: int = field(160, help="tokens per rehearsed tool response")
+    max_total_tokens: int = field(3072, help="tokens per trajectory, prompt included")
+    accept_fenced_json: bool = field(False, help="also parse ```json tool calls (lenient)")
+    seed: int = field(0, help="random seed (task generation and sampling)")
+    output_dir: str | None = field(None, help="where to write results (default runs/eval-<time>)")
+    progress: bool = field(True, help="show progress bars")
+
+    def validate(self) -> None:
+        sources = [s for s in (self.tasks, self.benchmark) if s]
+        if len(sources) > 1:
+            raise ConfigError("give either --tasks or --benchmark, not both")
+        if self.tasks and not Path(self.tasks).is_file():
+            raise ConfigError(f"task file {self.tasks} does not exist")
+        if self.split not in ("train", "val", "test", "heldout"):
+            raise ConfigError(f"split {self.split!r} must be train, val, test or heldout")
+        if self.mode == "simulator" and not self.simulator:
+            raise ConfigError("--mode simulator needs --simulator MODEL (the frozen simulator)")
+        if self.reward == "judge" and not self.judge:
+            raise ConfigError("--reward judge needs --judge MODEL")
+        if self.reward not in REWARDS and ":" not in self.reward:
+            raise ConfigError(f"unknown reward {self.reward!r}; known: {', '.join(REWARDS.names())} or module:function")
+        for name, value in (("k", self.k), ("n_per_world", self.n_per_world), ("max_turns", self.max_turns), ("max_turn_tokens", self.max_turn_tokens)):
+            if value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value}")
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError(f"limit must be >= 1, got {self.limit}")
+        if self.difficulty is not None and self.difficulty not in (1, 2, 3):
+            raise ConfigError(f"difficulty must be 1, 2 or 3, got {self.difficulty}")
+        if not 0 < self.top_p <= 1 or self.temperature < 0:
+            raise ConfigError("temperature must be >= 0 and top_p in (0, 1]")
+
+    def rollout_config(self) -> RolloutConfig:
+        fields = {f.name for f in dataclasses.fields(RolloutConfig)}
+        return RolloutConfig(**{k: v for k, v in dataclasses.asdict(self).items() if k in fields})
+
+
+def load_eval_tasks(cfg: EvalConfig) -> list[Task]:
+    """Tasks and their environment, resolved and validated before any model is loaded."""
+    from envace.envs import get_world
+    from envace.envs.tasks import builtin_tasks, load_tasks
+
+    if cfg.tasks:
+        tasks = load_tasks(cfg.tasks)
+    else:
+        for w in cfg.worlds:
+            get_world(w)  # an unknown world fails here, by name
+        tasks = builtin_tasks(cfg.split, cfg.n_per_world, worlds=cfg.worlds or None, difficulty=cfg.difficulty, seed=cfg.seed)
+    return tasks[: cfg.limit] if cfg.limit else tasks
+
+
+def output_dir(cfg: EvalConfig, prefix: str = "eval") -> Path:
+    path = Path(cfg.output_dir) if cfg.output_dir else Path("runs") / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def evaluate(engine: RolloutEngine, tasks: list[Task], reward: str, ctx: Context, k: int = 1, progress: bool = True, desc: str = "eval") -> tuple[list[list[Trajectory]], list[dict[str, Any]]]:
+    """Roll out, score, and flatten to records. Shared by `envace eval`, training validation and the demo."""
+    groups = engine.run(tasks, k=k, progress=progress, desc=desc)
+    compute_rewards(reward, groups, tasks, ctx)
+    records = [trajectory_record(task, traj) for task, group in zip(tasks, groups) for traj in group]
+    return groups, records
+
+
+def trajectory_json(traj: Trajectory, tokenizer: Any | None = None) -> dict[str, Any]:
+    d = {
+        "task_id": traj.task_id,
+        "mode": traj.mode,
+        "group": traj.group,
+        "messages": traj.messages,
+        "tool_calls": [c.to_dict() | {"user_turn": c.user_turn} for c in traj.tool_calls],
+        "observations": traj.observations,
+        "final_answer": traj.final_answer,
+        "end_reason": traj.end_reason.value if traj.end_reason else None,
+        "reward": traj.reward,
+        "reward_details": traj.reward_details,
+        "penalties": traj.penalties,
+        "real_env_calls": traj.real_env_calls,
+        "seconds": round(traj.seconds, 3),
+        "turns": [{"role": t.role.name, "text": t.text, "tokens": len(t.token_ids)} for t in traj.turns],
+    }
+    return json.loads(json.dumps(d, default=str))
+
+
+def write_trajectories(path: Path, groups: list[list[Trajectory]]) -> None:
+    with path.open("w") as f:
+        for group in groups:
+            for traj in group:
+                f.write(json.dumps(trajectory_json(traj)) + "\n")
+
+
+def run_eval(cfg: EvalConfig) -> dict[str, Any]:
+    from envace.backends import make_generator
+    from envace.envs.environment import WorldEnvironment
+
+    tasks = load_eval_tasks(cfg)
+    if not tasks:
+        raise ConfigError("no tasks to evaluate (check --tasks / --worlds / --limit)")
+    policy = make_generator(cfg.model, tokenizer=cfg.tokenizer, api_model=cfg.api_model, seed=cfg.seed)
+    simulator = make_generator(cfg.simulator, seed=cfg.seed) if cfg.simulator else None
+    judge = make_generator(cfg.judge, seed=cfg.seed) if cfg.judge else None
+    env = WorldEnvironment()
+    engine = RolloutEngine(policy, env, cfg.rollout_config(), simulator=simulator)
+    out = output_dir(cfg)
+    cfgmod.save(cfg, out / "config.yaml")
+    started = time.perf_counter()
+    groups, records = evaluate(engine, tasks, cfg.reward, Context(env=env, judge=judge), cfg.k, cfg.progress)
+    summary = {
+        "model": cfg.model,
+        "mode": cfg.mode,
+        "source": cfg.tasks or cfg.benchmark or f"builtin:{cfg.split}",
+        "overall": summarize_records(records),
+        "by_world": summarize_by(records, "world"),
+        "wall_seconds": time.perf_counter() - started,
+    }
+    write_trajectories(out / "trajectories.jsonl", groups)
+    with (out / "records.jsonl").open("w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    write_summary(summary, out)
+    print_summary(summary)
+    return summary

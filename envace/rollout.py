@@ -1,0 +1,314 @@
+"""Batched multi-turn rollouts, written once against the token-in/token-out `Generator`.
+
+Modes (who answers a tool call):
+  real       the executable world; tool tokens are forced (role ENV)
+  rehearse   the policy itself, in the agent's own transcript (role REHEARSE); with
+             `rehearse_layout="isolated"` the policy answers from a separate simulator prompt and
+             each answer becomes its own training row (`Trajectory.side_rows`)
+  simulator  a separate frozen model, from the simulator prompt (the external-simulator baseline)
+
+All K x B episodes advance together: each round, every episode waiting for an ACT turn is
+generated in one batch, every episode waiting for a rehearsed response in another. Each
+episode owns a generator session, so a round feeds only the tokens appended since its last
+generation (the backend keeps the KV cache): the prefix is never encoded again.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from tqdm.auto import tqdm
+
+from envace.backends.base import Completion, Generator, SamplingParams
+from envace.envs.base import ToolWorld
+from envace.parsing import ParseError, parse_act, parse_rehearsal
+from envace.transcript import Transcript, simulator_messages
+from envace.types import EndReason, Role, Task, ToolCall, Trajectory, Turn
+
+Mode = Literal["real", "rehearse", "simulator"]
+
+
+class Environment(Protocol):
+    """Where tasks' worlds come from: built-in worlds, a user's module, or a benchmark adapter."""
+
+    def make_world(self, task: Task) -> ToolWorld: ...
+
+    def describe(self, task: Task) -> tuple[str, list[dict[str, Any]]]:
+        """(documentation for the system prompt, OpenAI tool schemas)."""
+        ...
+
+
+class UserSimulator(Protocol):
+    def respond(self, task: Task, messages: list[dict[str, Any]]) -> str | None:
+        """The user's next message after the agent answered, or None when the user is done."""
+        ...
+
+
+@dataclass
+class RolloutConfig:
+    mode: Mode = "real"
+    rehearse_layout: Literal["transcript", "isolated"] = "transcript"
+    max_turns: int = 8  # ACT turns per trajectory
+    max_turn_tokens: int = 192  # tokens per ACT turn
+    max_rehearse_tokens: int = 160  # tokens per rehearsed/simulated tool response
+    max_total_tokens: int = 3072  # whole transcript, prompt included
+    temperature: float = 1.0
+    top_p: float = 1.0
+    accept_fenced_json: bool = False  # see parsing.parse_act
+    grounding: bool = False  # isolated prompt shows the task's reference (call, true result) pairs
+
+
+@dataclass
+class _Episode:
+    task: Task
+    traj: Trajectory
+    session: int
+    world: ToolWorld | None
+    description: str
+    tools: list[dict[str, Any]]
+    pending: list[int] = field(default_factory=list)  # tokens appended but not yet fed
+    queue: list[ToolCall] = field(default_factory=list)  # calls of the last ACT turn awaiting answers
+    act_turns: int = 0
+    user_turn: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def length(self) -> int:
+        return sum(len(t.token_ids) for t in self.traj.turns)
+
+    def append(self, turn: Turn, fed: bool = False) -> None:
+        self.traj.turns.append(turn)
+        if not fed:
+            self.pending.extend(turn.token_ids)
+
+
+class RolloutEngine:
+    def __init__(
+        self,
+        policy: Generator,
+        env: Environment,
+        config: RolloutConfig | None = None,
+        simulator: Generator | None = None,
+        user_simulator: UserSimulator | None = None,
+    ):
+        self.policy = policy
+        self.env = env
+        self.config = config or RolloutConfig()
+        if self.config.mode == "simulator" and simulator is None:
+            raise ValueError("mode 'simulator' needs a simulator generator (--simulator MODEL)")
+        # In rehearse-isolated mode the policy itself answers from the simulator prompt.
+        self.simulator = simulator if self.config.mode == "simulator" else policy
+        self.user_simulator = user_simulator
+        self.transcript = Transcript(policy.tokenizer)
+        self.sim_transcript = self.transcript if self.simulator is policy else Transcript(self.simulator.tokenizer)
+        self._eos = tuple(i for i in {policy.tokenizer.eos_token_id} if i is not None)
+
+    # ---- public ----------------------------------------------------------------------
+    def run(self, tasks: list[Task], k: int = 1, progress: bool = True, desc: str = "rollout") -> list[list[Trajectory]]:
+        """K rollouts of every task, all advancing together. Returns one group of K per task."""
+        episodes = [self._start(task, g) for task in tasks for g in range(k)]
+        bar = tqdm(total=len(episodes), desc=desc, disable=not progress, leave=False)
+        active = list(episodes)
+        while active:
+            self._answer_tools(active)
+            acting = [e for e in active if e.traj.end_reason is None and not e.queue]
+            if acting:
+                self._generate_act(acting)
+            finished = [e for e in active if e.traj.end_reason is not None]
+            for e in finished:
+                self._finish(e)
+            bar.update(len(finished))
+            active = [e for e in active if e.traj.end_reason is None]
+        bar.close()
+        return [[e.traj for e in episodes[i * k : (i + 1) * k]] for i in range(len(tasks))]
+
+    # ---- episode lifecycle -------------------------------------------------------------
+    def _start(self, task: Task, group: int) -> _Episode:
+        description, tools = self.env.describe(task)
+        world = self.env.make_world(task) if self.config.mode == "real" else None
+        traj = Trajectory(task_id=task.id, mode=self.config.mode, group=group)
+        (session,) = self.policy.open(1)
+        ep = _Episode(task, traj, session, world, description, tools)
+        ep.append(self.transcript.prompt(task.messages, description, tools))
+        traj.messages = self.transcript.prompt_messages(task.messages, description, tools)
+        return ep
+
+    def _finish(self, ep: _Episode) -> None:
+        self.policy.close([ep.session])
+        ep.traj.seconds = time.perf_counter() - ep.started
+
+    def _end(self, ep: _Episode, reason: EndReason) -> None:
+        ep.traj.end_reason = reason
+
+    def _penalize(self, ep: _Episode, role: str, err: ParseError, reason: EndReason) -> None:
+        ep.traj.penalties[role] = ep.traj.penalties.get(role, 0) + 1
+        ep.traj.observations.append(err.observation())
+        self._end(ep, EndReason.EMPTY_OUTPUT if err.code == "EMPTY_OUTPUT" else reason)
+
+    def _budget(self, ep: _Episode, per_turn: int) -> int:
+        """Tokens this generation may use; 0 ends the episode for the total-token limit."""
+        room = self.config.max_total_tokens - ep.length
+        if room <= 0:
+            self._end(ep, EndReason.MAX_TOTAL_TOKENS)
+            return 0
+        return min(per_turn, room)
+
+    def _hit_length(self, ep: _Episode) -> None:
+        """A generation ran out of tokens: the total budget if that is what capped it."""
+        full = ep.length >= self.config.max_total_tokens
+        self._end(ep, EndReason.MAX_TOTAL_TOKENS if full else EndReason.MAX_TURN_TOKENS)
+
+    def _params(self, max_new: int, marker: str) -> SamplingParams:
+        stops = () if marker == self.transcript.layout.eos_text else (marker,)
+        return SamplingParams(
+            max_new_tokens=max_new,
+            temperature=self.config.temperature,
+            top_p=self.config.top_p,
+            stop_token_ids=self._eos,
+            stop_strings=stops,
+        )
+
+    def _generate(self, gen: Generator, eps: list[_Episode], sessions: list[int], feeds: list[list[int]], per_turn: int, marker: str) -> list[tuple[_Episode, Completion]]:
+        budgets = [self._budget(e, per_turn) for e in eps]
+        keep = [i for i, b in enumerate(budgets) if b > 0]
+        if not keep:
+            return []
+        # One batch per round; the smallest remaining budget keeps every row within its limit.
+        params = self._params(min(budgets[i] for i in keep), marker)
+        outs = gen.generate([sessions[i] for i in keep], [feeds[i] for i in keep], params)
+        return [(eps[i], out) for i, out in zip(keep, outs)]
+
+    # ---- ACT --------------------------------------------------------------------------
+    def _generate_act(self, eps: list[_Episode]) -> None:
+        over = [e for e in eps if e.act_turns >= self.config.max_turns]
+        for e in over:
+            self._end(e, EndReason.MAX_TURNS)
+        eps = [e for e in eps if e not in over]
+        feeds = [e.pending for e in eps]
+        results = self._generate(self.policy, eps, [e.session for e in eps], feeds, self.config.max_turn_tokens, self.transcript.layout.act_marker)
+        for ep, out in results:
+            ep.pending = []
+            self._after_act(ep, out)
+
+    def _after_act(self, ep: _Episode, out: Completion) -> None:
+        layout = self.transcript.layout
+        ep.act_turns += 1
+        ep.append(Turn(Role.ACT, out.token_ids, out.logprobs, out.text), fed=True)
+        # The last sampled token was never fed to the model; the backend feeds it next call.
+        content = self.transcript.strip_marker(out.text, layout.act_marker)
+        ep.traj.messages.append({"role": "assistant", "content": content})
+        if out.finish_reason == "length":
+            self._hit_length(ep)
+            return
+        try:
+            parsed = parse_act(content, self.config.accept_fenced_json)
+        except ParseError as err:
+            self._penalize(ep, "act", err, EndReason.MALFORMED_ACT)
+            return
+        if parsed.calls:
+            for call in parsed.calls:
+                call.user_turn = ep.user_turn
+            ep.traj.tool_calls.extend(parsed.calls)
+            ep.queue = list(parsed.calls)
+            ep.append(self.transcript.forced_after(out.text, layout.act_to_tool))
+            return
+        ep.traj.final_answer = parsed.text
+        next_user = self._next_user_message(ep)
+        if next_user is None:
+            self._end(ep, EndReason.ANSWERED)
+            return
+        ep.user_turn += 1
+        ep.append(self.transcript.forced_after(out.text, layout.act_to_user))
+        ep.append(self.transcript.user_message(next_user))
+        ep.append(self.transcript.scaffold(layout.user_to_act))
+        ep.traj.messages.append({"role": "user", "content": next_user})
+
+    def _next_user_message(self, ep: _Episode) -> str | None:
+        if self.user_simulator is not None:
+            return self.user_simulator.respond(ep.task, ep.traj.messages)
+        turns = ep.task.user_turns
+        return turns[ep.user_turn]["content"] if ep.user_turn < len(turns) else None
+
+    # ---- tool responses ---------------------------------------------------------------
+    def _answer_tools(self, active: list[_Episode]) -> None:
+        """Answer every queued call: real worlds at once, rehearsals/simulations in batches."""
+        while True:
+            waiting = [e for e in active if e.queue and e.traj.end_reason is None]
+            if not waiting:
+                return
+            if self.config.mode == "real":
+                for ep in waiting:
+                    ep.traj.real_env_calls += 1
+                    self._record_observation(ep, ep.world.execute(ep.queue[0]), Role.ENV)
+            elif self.config.mode == "rehearse" and self.config.rehearse_layout == "transcript":
+                self._rehearse_in_transcript(waiting)
+            else:
+                self._simulate_isolated(waiting)
+
+    def _record_observation(self, ep: _Episode, obs: dict[str, Any], role: Role, turn: Turn | None = None) -> None:
+        """Append one tool response (forced or already generated) and the scaffolding after it."""
+        layout = self.transcript.layout
+        call = ep.queue.pop(0)
+        if turn is None:
+            turn = self.transcript.tool_response(obs, role)
+        ep.append(turn, fed=role == Role.REHEARSE)
+        ep.traj.observations.append(obs)
+        ep.traj.messages.append({"role": "tool", "name": call.name, "content": obs})
+        following = layout.tool_to_tool if ep.queue else layout.tool_to_act
+        ep.append(self.transcript.forced_after(turn.text, following))
+
+    def _rehearse_in_transcript(self, eps: list[_Episode]) -> None:
+        marker = self.transcript.layout.rehearse_marker
+        results = self._generate(self.policy, eps, [e.session for e in eps], [e.pending for e in eps], self.config.max_rehearse_tokens, marker)
+        for ep, out in results:
+            ep.pending = []
+            turn = Turn(Role.REHEARSE, out.token_ids, out.logprobs, out.text)
+            if out.finish_reason == "length":
+                ep.traj.turns.append(turn)
+                self._hit_length(ep)
+                continue
+            try:
+                obs = parse_rehearsal(self.transcript.strip_marker(out.text, marker))
+            except ParseError as err:
+                ep.traj.turns.append(turn)
+                self._penalize(ep, "rehearse", err, EndReason.MALFORMED_REHEARSAL)
+                continue
+            self._record_observation(ep, obs, Role.REHEARSE, turn)
+
+    def _simulate_isolated(self, eps: list[_Episode]) -> None:
+        """Answer from a fresh simulator prompt per call (the reference's isolated layout)."""
+        prompts = [self.sim_transcript.prompt(self._simulator_chat(e), "", []) for e in eps]
+        sessions = self.simulator.open(len(eps))
+        marker = self.sim_transcript.layout.act_marker  # the simulator answers as an assistant
+        params = self._params(self.config.max_rehearse_tokens, marker)
+        outs = self.simulator.generate(sessions, [p.token_ids for p in prompts], params)
+        self.simulator.close(sessions)
+        trained = self.config.mode == "rehearse"
+        for ep, prompt, out in zip(eps, prompts, outs):
+            if trained:
+                row = Trajectory(task_id=ep.task.id, mode="rehearse-isolated", group=ep.traj.group)
+                row.turns = [prompt, Turn(Role.REHEARSE, out.token_ids, out.logprobs, out.text)]
+                ep.traj.side_rows.append(row)
+            try:
+                if out.finish_reason == "length":
+                    raise ParseError("MALFORMED_REHEARSAL", "the simulated response hit its token limit")
+                obs = parse_rehearsal(self.sim_transcript.strip_marker(out.text, marker))
+            except ParseError as err:
+                self._penalize(ep, "rehearse" if trained else "simulator", err, EndReason.MALFORMED_REHEARSAL)
+                continue
+            self._record_observation(ep, obs, Role.ENV)
+
+    def _simulator_chat(self, ep: _Episode) -> list[dict[str, Any]]:
+        done = len(ep.traj.observations)
+        history = list(zip(ep.traj.tool_calls[:done], ep.traj.observations))
+        grounding = _grounding(ep.task) if self.config.grounding else None
+        task_text = next((m["content"] for m in ep.task.messages if m["role"] == "user"), "")
+        return simulator_messages(ep.description, ep.tools, history, ep.queue[0], task_text, grounding)
+
+
+def _grounding(task: Task) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Privileged (call, true result) pairs from the task's reference trajectory, if recorded."""
+    return [(c, c["result"]) for c in task.reference_calls if "result" in c]
+
