@@ -47,6 +47,20 @@ class UserSimulator(Protocol):
 
 
 @dataclass
+class GuardDecision:
+    """What to do with an irreversible call in real mode: execute it, hand the agent `reason` as
+    the call's observation instead (revise), or stop and ask the user."""
+
+    action: Literal["execute", "revise", "stop"]
+    reason: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+class CallGuard(Protocol):
+    def __call__(self, task: Task, traj: Trajectory, call: ToolCall) -> GuardDecision: ...
+
+
+@dataclass
 class RolloutConfig:
     mode: Mode = "real"
     rehearse_layout: Literal["transcript", "isolated"] = "transcript"
@@ -92,15 +106,20 @@ class RolloutEngine:
         config: RolloutConfig | None = None,
         simulator: Generator | None = None,
         user_simulator: UserSimulator | None = None,
+        guard: CallGuard | None = None,
     ):
         self.policy = policy
         self.env = env
         self.config = config or RolloutConfig()
         if self.config.mode == "simulator" and simulator is None:
             raise ValueError("mode 'simulator' needs a simulator generator (--simulator MODEL)")
-        # In rehearse-isolated mode the policy itself answers from the simulator prompt.
-        self.simulator = simulator if self.config.mode == "simulator" else policy
+        if simulator is not None and self.config.mode == "rehearse" and self.config.rehearse_layout == "transcript":
+            raise ValueError("a separate rehearser needs rehearse_layout='isolated' (it cannot share the agent's transcript)")
+        # Isolated layout: the policy answers from the simulator prompt unless a separate
+        # rehearser (no-share variant) or frozen simulator is given.
+        self.simulator = simulator or policy
         self.user_simulator = user_simulator
+        self.guard = guard
         self.transcript = Transcript(policy.tokenizer)
         self.sim_transcript = self.transcript if self.simulator is policy else Transcript(self.simulator.tokenizer)
         self._eos = tuple(i for i in {policy.tokenizer.eos_token_id} if i is not None)
@@ -240,12 +259,26 @@ class RolloutEngine:
                 return
             if self.config.mode == "real":
                 for ep in waiting:
-                    ep.traj.real_env_calls += 1
-                    self._record_observation(ep, ep.world.execute(ep.queue[0]), Role.ENV)
+                    self._execute_real(ep)
             elif self.config.mode == "rehearse" and self.config.rehearse_layout == "transcript":
                 self._rehearse_in_transcript(waiting)
             else:
                 self._simulate_isolated(waiting)
+
+    def _execute_real(self, ep: _Episode) -> None:
+        call = ep.queue[0]
+        if self.guard is not None and call.name in ep.world.irreversible_tools:
+            decision = self.guard(ep.task, ep.traj, call)
+            ep.traj.events.append({"event": "guard", "call": call.to_dict(), "action": decision.action, "reason": decision.reason, **decision.details})
+            if decision.action == "stop":
+                ep.queue.clear()
+                self._end(ep, EndReason.STOPPED)
+                return
+            if decision.action == "revise":
+                self._record_observation(ep, {"error": {"code": "NOT_EXECUTED", "message": decision.reason}}, Role.ENV)
+                return
+        ep.traj.real_env_calls += 1
+        self._record_observation(ep, ep.world.execute(call), Role.ENV)
 
     def _record_observation(self, ep: _Episode, obs: dict[str, Any], role: Role, turn: Turn | None = None) -> None:
         """Append one tool response (forced or already generated) and the scaffolding after it."""

@@ -105,6 +105,7 @@ class Trajectory:
     reward: float | None = None
     reward_details: dict[str, Any] = field(default_factory=dict)
     group: int = 0  # index of the rollout within its task group (0..K-1)
+    events: list[dict[str, Any]] = field(default_factory=list)  # e.g. pre-commit guard decisions
     side_rows: list[Trajectory] = field(default_factory=list)  # isolated-simulator REHEARSE rows
     seconds: float = 0.0
 

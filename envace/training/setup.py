@@ -1,0 +1,147 @@
+"""What SFT and GRPO share: model loading (full or LoRA), optimizer and schedule, accelerate,
+micro-batching by token budget, and the run directory (config, checkpoints, metrics)."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Literal
+
+import numpy as np
+import torch
+import yaml
+
+from envace import config as cfgmod
+from envace.config import ConfigError, field
+from envace.algorithms.losses import Row
+
+
+@dataclass
+class TrainingOptions:
+    """Options every training command has (SFT and GRPO configs inherit them)."""
+
+    model: str = field("default", help="model to train: 'default', a local directory or a .gguf file")
+    tiny: bool = field(False, help="train a tiny random model over the model's tokenizer (smoke tests)")
+    lora_r: int = field(0, help="LoRA rank; 0 = full fine-tuning")
+    lora_alpha: int = field(32, help="LoRA alpha")
+    lr: float = field(1e-5, help="AdamW learning rate")
+    weight_decay: float = field(0.01, help="AdamW weight decay")
+    grad_clip: float = field(1.0, help="max gradient norm")
+    schedule: Literal["constant", "cosine"] = field("constant", help="learning-rate schedule")
+    warmup_steps: int = field(0, help="linear warm-up steps")
+    micro_batch_tokens: int = field(4096, help="padded tokens per micro-batch (gradient accumulation above it)")
+    seed: int = field(0, help="random seed")
+    output_dir: str | None = field(None, help="run directory (default runs/<command>-<time>)")
+    resume: bool = field(False, help="continue the run in --output-dir from its last checkpoint")
+    save_every: int = field(1, help="checkpoint every N steps")
+    keep_last: int = field(2, help="checkpoints to keep")
+    tensorboard: bool = field(True, help="write TensorBoard logs")
+    wandb: bool = field(False, help="log to Weights & Biases")
+    wandb_project: str | None = field(None, help="wandb project")
+    progress: bool = field(True, help="show progress bars")
+
+    def validate_training(self) -> None:
+        from envace.backends.models import check_model_spec
+
+        check_model_spec(self.model)
+        for name in ("lr", "micro_batch_tokens", "save_every", "keep_last"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.lora_r < 0 or self.warmup_steps < 0 or self.grad_clip <= 0:
+            raise ConfigError("lora_r and warmup_steps must be >= 0 and grad_clip > 0")
+        if self.resume and not self.output_dir:
+            raise ConfigError("--resume needs --output-dir (the run to continue)")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def make_accelerator() -> Any:
+    """bf16 autocast on GPU, plain fp32 on CPU; multi-GPU when started with `accelerate launch`."""
+    from accelerate import Accelerator
+
+    return Accelerator(mixed_precision="bf16" if torch.cuda.is_available() else "no", cpu=not torch.cuda.is_available())
+
+
+def load_trainable(spec: str, lora_r: int, lora_alpha: int, device: Any, tiny: bool = False) -> tuple[Any, Any]:
+    """(model, tokenizer) in fp32 master weights; wrapped with a LoRA adapter when lora_r > 0.
+    `tiny=True` builds a tiny random model over the spec's tokenizer (tests, smoke runs)."""
+    from envace.backends.models import load_model, load_tokenizer, tiny_model
+
+    if tiny:
+        tokenizer = load_tokenizer(spec)
+        model = tiny_model(tokenizer).to(device)
+    else:
+        model, tokenizer = load_model(spec, device=device, dtype=torch.float32)
+    if lora_r > 0:
+        from peft import LoraConfig, get_peft_model
+
+        target = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        model = get_peft_model(model, LoraConfig(r=lora_r, lora_alpha=lora_alpha, target_modules=target, lora_dropout=0.0, task_type="CAUSAL_LM"))
+    return model, tokenizer
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainingOptions, total_steps: int) -> tuple[torch.optim.Optimizer, Any]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        if cfg.schedule == "cosine":
+            progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return 1.0
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def micro_batches(rows: list[Row], max_tokens: int) -> Iterator[list[Row]]:
+    """Group rows (longest first) so that rows x padded length stays within `max_tokens`."""
+    ordered = sorted(rows, key=lambda r: len(r.input_ids), reverse=True)
+    batch: list[Row] = []
+    for row in ordered:
+        width = len(batch[0].input_ids) if batch else len(row.input_ids)
+        if batch and (len(batch) + 1) * width > max_tokens:
+            yield batch
+            batch = []
+        batch.append(row)
+    if batch:
+        yield batch
+
+
+def run_dir(output_dir: str | None, prefix: str) -> Path:
+    path = Path(output_dir) if output_dir else Path("runs") / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def check_resume(path: Path, cfg: Any, resume: bool) -> Path | None:
+    """The checkpoint to resume from. A run dir that already has checkpoints must be resumed
+    explicitly, and with the same config, so that nothing is silently overwritten or mixed."""
+    from envace.training.checkpoint import latest_checkpoint
+
+    latest = latest_checkpoint(path)
+    if latest is None:
+        return None
+    if not resume:
+        raise ConfigError(f"{path} already holds checkpoints; pass --resume to continue that run or choose another --output-dir")
+    saved = yaml.safe_load((path / "config.yaml").read_text()) if (path / "config.yaml").is_file() else None
+    current = cfgmod.to_dict(cfg)
+    if saved is not None:
+        changed = sorted(k for k in current if k not in ("resume", "progress", "steps") and saved.get(k) != current[k])
+        if changed:
+            raise ConfigError(f"cannot resume {path}: options differ from the saved run: {', '.join(changed)}")
+    return latest
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start

@@ -1,0 +1,337 @@
+"""`envace train`: role-level GRPO with world rehearsal, and the baselines behind one flag.
+
+One step, top to bottom:
+  1. take the next `tasks_per_step` training tasks (the data position is checkpointed);
+  2. roll out K trajectories per task, all batched (mode set by the variant; a share of
+     tasks may run against the real world, `real_fraction`);
+  3. score each trajectory (reward, default `replay`); measure rehearsal fidelity for free from
+     the replay's real observations;
+  4. advantages per (task, role) (default `role_grpo`), rows per trained model, one PPO update
+     with token-mean over the whole step (micro-batches accumulate into it);
+  5. log metrics, write samples, checkpoint atomically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from tqdm.auto import tqdm
+
+from envace import config as cfgmod
+from envace.algorithms import ADVANTAGES, group_metrics
+from envace.algorithms.losses import TRAINED_ROLES, build_rows, collate, ppo_loss, sequence_logprobs
+from envace.config import ConfigError, field
+from envace.evaluation.metrics import summarize_records, trajectory_record
+from envace.rewards import REWARDS, Context, compute_rewards
+from envace.rollout import RolloutConfig, RolloutEngine
+from envace.training.setup import TrainingOptions, check_resume, load_trainable, make_accelerator, make_optimizer, micro_batches, run_dir, seed_everything, timed
+from envace.types import Role, Task, Trajectory
+
+Variant = Literal["envace", "real-grpo", "simulator", "no-share", "act-only"]
+
+
+@dataclass
+class TrainConfig(TrainingOptions):
+    variant: Variant = field("envace", help="envace | real-grpo | simulator | no-share | act-only")
+    init_from: str | None = field(None, help="start from this checkpoint directory (e.g. an `envace sft` run's final/)")
+    simulator_model: str | None = field(None, help="frozen simulator for --variant simulator (default: the base --model)")
+    tasks: str | None = field(None, help="JSONL training tasks (default: built-in train split)")
+    worlds: list[str] = field([], help="built-in training worlds (default: all training worlds)")
+    n_per_world: int = field(16, help="built-in training tasks per world")
+    difficulty: int | None = field(1, help="built-in task difficulty 1-3 (None = mixed)")
+    steps: int = field(10, help="training steps")
+    tasks_per_step: int = field(4, help="tasks per step")
+    k: int = field(4, help="rollouts per task (the GRPO group)")
+    real_fraction: float = field(0.0, help="share of tasks rolled out against the real world in rehearse variants")
+    rehearse_layout: Literal["transcript", "isolated"] = field("transcript", help="REHEARSE in the agent's transcript (one row per trajectory) or from a separate simulator prompt (one row per output)")
+    reward: str = field("replay", help="reward name or module:function")
+    advantage: str = field("role_grpo", help="advantage estimator: role_grpo | grpo | module:function")
+    normalize_std: bool = field(False, help="divide advantages by the group std")
+    penalty: float = field(-0.1, help="added to the reward of a malformed/empty output")
+    clip_eps: float = field(0.2, help="PPO clip range")
+    dual_clip: float | None = field(3.0, help="dual-clip constant for negative advantages (None = off)")
+    kl_coef: float = field(0.0, help="KL to the frozen initial model (0 = off)")
+    temperature: float = field(1.0, help="rollout temperature")
+    top_p: float = field(1.0, help="rollout nucleus sampling")
+    max_turns: int = field(6, help="ACT turns per trajectory")
+    max_turn_tokens: int = field(128, help="tokens per ACT turn")
+    max_rehearse_tokens: int = field(96, help="tokens per rehearsed response")
+    max_total_tokens: int = field(2048, help="tokens per trajectory")
+    samples_per_step: int = field(2, help="trajectories written to samples.jsonl per step")
+
+    def validate(self) -> None:
+        self.validate_training()
+        if self.tasks and not Path(self.tasks).is_file():
+            raise ConfigError(f"task file {self.tasks} does not exist")
+        if self.init_from and not Path(self.init_from).is_dir():
+            raise ConfigError(f"--init-from {self.init_from} is not a directory")
+        if self.k < 2:
+            raise ConfigError(f"k must be >= 2 for a group baseline, got {self.k}")
+        for name in ("steps", "tasks_per_step", "n_per_world", "max_turns", "max_turn_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.real_fraction <= 1.0:
+            raise ConfigError(f"real_fraction must be in [0, 1], got {self.real_fraction}")
+        if self.variant in ("real-grpo", "simulator") and self.real_fraction:
+            raise ConfigError(f"real_fraction applies to rehearse variants, not {self.variant}")
+        if self.variant == "no-share" and self.rehearse_layout != "isolated":
+            raise ConfigError("--variant no-share needs --rehearse-layout isolated (two models cannot share one transcript's KV cache)")
+        if self.reward not in REWARDS and ":" not in self.reward:
+            raise ConfigError(f"unknown reward {self.reward!r}; known: {', '.join(REWARDS.names())}")
+        if self.advantage not in ADVANTAGES and ":" not in self.advantage:
+            raise ConfigError(f"unknown advantage {self.advantage!r}; known: {', '.join(ADVANTAGES.names())}")
+        if self.kl_coef < 0 or self.clip_eps <= 0:
+            raise ConfigError("kl_coef must be >= 0 and clip_eps > 0")
+
+    @property
+    def rollout_mode(self) -> str:
+        return {"real-grpo": "real", "simulator": "simulator"}.get(self.variant, "rehearse")
+
+    def rollout_config(self, mode: str) -> RolloutConfig:
+        names = {f.name for f in dataclasses.fields(RolloutConfig)}
+        values = {k: v for k, v in dataclasses.asdict(self).items() if k in names}
+        return RolloutConfig(**{**values, "mode": mode})
+
+
+def load_train_tasks(cfg: TrainConfig) -> list[Task]:
+    from envace.envs import get_world
+    from envace.envs.tasks import builtin_tasks, load_tasks
+
+    if cfg.tasks:
+        return load_tasks(cfg.tasks)
+    for w in cfg.worlds:
+        get_world(w)
+    return builtin_tasks("train", cfg.n_per_world, worlds=cfg.worlds or None, difficulty=cfg.difficulty, seed=cfg.seed)
+
+
+class TaskStream:
+    """Deterministic epochs over the training tasks; its position is part of every checkpoint."""
+
+    def __init__(self, tasks: list[Task], seed: int, epoch: int = 0, index: int = 0):
+        self.tasks, self.seed, self.epoch, self.index = tasks, seed, epoch, index
+        self._order = self._shuffled()
+
+    def _shuffled(self) -> list[int]:
+        order = list(range(len(self.tasks)))
+        random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+        return order
+
+    def take(self, n: int) -> list[Task]:
+        out = []
+        while len(out) < n:
+            if self.index >= len(self._order):
+                self.epoch, self.index = self.epoch + 1, 0
+                self._order = self._shuffled()
+            out.append(self.tasks[self._order[self.index]])
+            self.index += 1
+        return out
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index}
+
+
+@dataclass
+class Models:
+    """The trained model(s) and what updates them. `rehearser` exists only in no-share."""
+
+    policy: Any
+    optimizers: dict[str, torch.optim.Optimizer]
+    schedulers: dict[str, Any]
+    rehearser: Any = None
+    simulator: Any = None  # frozen, for the simulator variant
+    reference: Any = None  # frozen initial policy, for the KL term
+
+    def trained(self) -> dict[str, Any]:
+        return {k: v for k, v in (("policy", self.policy), ("rehearser", self.rehearser)) if v is not None}
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        from envace.envs.environment import WorldEnvironment
+
+        self.cfg = cfg
+        self.tasks = load_train_tasks(cfg)  # bad task files fail before any model loads
+        self.env = WorldEnvironment()
+        self.dir = run_dir(cfg.output_dir, "train")
+        resume_from = check_resume(self.dir, cfg, cfg.resume)
+        seed_everything(cfg.seed)
+        self.accelerator = make_accelerator()
+        self.models, self.tokenizer = self._build_models()
+        self.step = 0
+        self.stream = TaskStream(self.tasks, cfg.seed)
+        if resume_from is not None:
+            self._resume(resume_from)
+        cfgmod.save(cfg, self.dir / "config.yaml")
+        (self.dir / "data_manifest.json").write_text(json.dumps({"train_task_ids": sorted(t.id for t in self.tasks)}))
+        from envace.training.logging import MetricsLogger
+
+        self.logger = MetricsLogger(self.dir, use_tensorboard=cfg.tensorboard, use_wandb=cfg.wandb, wandb_project=cfg.wandb_project, resume_step=self.step if resume_from else None, config=cfgmod.to_dict(cfg))
+        self.real_env_calls = 0
+
+    # ---- setup ------------------------------------------------------------------------
+    def _load(self, spec: str, trainable: bool = True) -> tuple[Any, Any]:
+        cfg = self.cfg
+        model, tok = load_trainable(spec, cfg.lora_r if trainable else 0, cfg.lora_alpha, self.accelerator.device, tiny=cfg.tiny)
+        if not trainable:
+            model.requires_grad_(False)
+        return model, tok
+
+    def _build_models(self) -> tuple[Models, Any]:
+        cfg = self.cfg
+        policy, tok = self._load(cfg.init_from or cfg.model)
+        opt, sched = make_optimizer(policy, cfg, cfg.steps)
+        models = Models(policy, {"policy": opt}, {"policy": sched})
+        if cfg.variant == "no-share":
+            models.rehearser, _ = self._load(cfg.init_from or cfg.model)
+            models.optimizers["rehearser"], models.schedulers["rehearser"] = make_optimizer(models.rehearser, cfg, cfg.steps)
+        if cfg.variant == "simulator":
+            models.simulator, _ = self._load(cfg.simulator_model or cfg.model, trainable=False)
+        if cfg.kl_coef > 0:
+            models.reference, _ = self._load(cfg.init_from or cfg.model, trainable=False)
+        return models, tok
+
+    def _resume(self, path: Path) -> None:
+        from envace.training.checkpoint import load_checkpoint
+
+        state = load_checkpoint(path, self.models.trained(), self.models.optimizers, self.models.schedulers)
+        self.step = state.step
+        self.stream = TaskStream(self.tasks, self.cfg.seed, **state.data_state["stream"])
+        self.real_env_calls = state.data_state.get("real_env_calls", 0)
+
+    def _generator(self, model: Any, salt: int) -> Any:
+        from envace.backends.hf import HFGenerator
+
+        # A fresh sampling seed per step: a resumed run samples what the uninterrupted run would.
+        return HFGenerator(self.accelerator.unwrap_model(model), self.tokenizer, seed=self.cfg.seed * 1_000_003 + self.step * 16 + salt)
+
+    # ---- one step ---------------------------------------------------------------------
+    def rollout(self, tasks: list[Task]) -> list[list[Trajectory]]:
+        cfg = self.cfg
+        n_real = round(cfg.real_fraction * len(tasks)) if cfg.rollout_mode == "rehearse" else 0
+        batches = [(tasks[:n_real], "real"), (tasks[n_real:], cfg.rollout_mode)]
+        groups: list[list[Trajectory]] = []
+        for model in self.models.trained().values():
+            model.eval()
+        for part, mode in batches:
+            if not part:
+                continue
+            policy = self._generator(self.models.policy, 0)
+            side = {"simulator": self.models.simulator, "rehearse": self.models.rehearser}.get(mode)
+            simulator = self._generator(side, 1) if side is not None else None
+            engine = RolloutEngine(policy, self.env, cfg.rollout_config(mode), simulator=simulator)
+            with torch.no_grad():
+                groups += engine.run(part, k=cfg.k, progress=cfg.progress, desc=f"step {self.step + 1} rollout ({mode})")
+        return groups
+
+    def update(self, groups: list[list[Trajectory]]) -> dict[str, float]:
+        cfg = self.cfg
+        roles = TRAINED_ROLES[cfg.variant]
+        all_roles = tuple(sorted({r for rs in roles.values() for r in rs}))
+        advantages = ADVANTAGES.get(cfg.advantage)(groups, roles=all_roles, normalize_std=cfg.normalize_std, penalty=cfg.penalty)
+        trajs = [t for g in groups for t in g]
+        advs = [a for g in advantages for a in g.trajectories]
+        metrics = group_metrics(advantages)
+        layout = "isolated" if any(t.side_rows for t in trajs) else "transcript"
+        for name, model in self.models.trained().items():
+            rows = build_rows(trajs, advs, roles[name], layout)
+            metrics |= {f"{name}/{k}": v for k, v in self._optimize(name, model, rows).items()}
+        return metrics
+
+    def _optimize(self, name: str, model: Any, rows: list) -> dict[str, float]:
+        cfg = self.cfg
+        optimizer, scheduler = self.models.optimizers[name], self.models.schedulers[name]
+        model.train()
+        optimizer.zero_grad(set_to_none=True)
+        total = sum(sum(r.loss_mask) for r in rows)
+        sums: dict[str, float] = {}
+        if total == 0:
+            scheduler.step()
+            return {"trained_tokens": 0.0}
+        pad_id = self.tokenizer.pad_token_id
+        for chunk in micro_batches(rows, cfg.micro_batch_tokens):
+            batch = collate(chunk, pad_id).to(self.accelerator.device)
+            with self.accelerator.autocast():
+                logprobs, entropy = sequence_logprobs(model, batch)
+                ref = None
+                if self.models.reference is not None:
+                    with torch.no_grad():
+                        ref, _ = sequence_logprobs(self.models.reference, batch)
+                loss, m = ppo_loss(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, cfg.clip_eps, cfg.dual_clip, ref, cfg.kl_coef, roles=batch.roles, entropy=entropy, num_tokens=float(total))
+            self.accelerator.backward(loss)
+            weight = float(batch.loss_mask.sum()) / total
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + (v if k == "loss" or k.startswith("tokens") else v * weight)
+        grad_norm = self.accelerator.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        return sums | {"grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0], "trained_tokens": float(total)}
+
+    def score(self, tasks: list[Task], groups: list[list[Trajectory]]) -> dict[str, float]:
+        compute_rewards(self.cfg.reward, groups, tasks, Context(env=self.env))
+        records = [trajectory_record(t, tr) for t, g in zip(tasks, groups) for tr in g]
+        summary = summarize_records(records)
+        rollout_calls = sum(tr.real_env_calls for g in groups for tr in g)
+        self.real_env_calls += rollout_calls
+        keys = ("success_rate", "mean_reward", "tokens_per_task", "malformed", "fidelity/exact", "fidelity/field_f1", "fidelity/calls")
+        out = {k if k != "mean_reward" else "reward/mean": summary[k] for k in keys if k in summary}
+        return out | {"env/real_calls_step": rollout_calls, "env/real_calls_total": self.real_env_calls}
+
+    def train_step(self) -> dict[str, float]:
+        tasks = self.stream.take(self.cfg.tasks_per_step)
+        groups, t_rollout = timed(lambda: self.rollout(tasks))
+        metrics = self.score(tasks, groups)
+        update, t_update = timed(lambda: self.update(groups))
+        self.step += 1
+        metrics |= update | {"time/rollout_s": t_rollout, "time/update_s": t_update, "time/rollout_share": t_rollout / max(t_rollout + t_update, 1e-9)}
+        self.logger.log(self.step, metrics)
+        self.logger.write_samples(self.step, [g[0] for g in groups[: self.cfg.samples_per_step]], self.tokenizer)
+        if self.step % self.cfg.save_every == 0 or self.step == self.cfg.steps:
+            self.save()
+        return metrics
+
+    def save(self) -> Path:
+        from envace.training.checkpoint import save_checkpoint
+
+        unwrapped = {k: self.accelerator.unwrap_model(m) for k, m in self.models.trained().items()}
+        return save_checkpoint(self.dir, self.step, unwrapped, self.models.optimizers, self.models.schedulers,
+                               data_state={"stream": self.stream.state(), "real_env_calls": self.real_env_calls},
+                               config=cfgmod.to_dict(self.cfg), keep_last=self.cfg.keep_last)
+
+    def export(self) -> Path:
+        """The final policy as a loadable model directory (`final/`), merged if LoRA."""
+        out = self.dir / "final"
+        model = self.accelerator.unwrap_model(self.models.policy)
+        if hasattr(model, "merge_and_unload"):
+            import copy
+
+            model = copy.deepcopy(model).merge_and_unload()
+        model.save_pretrained(out)
+        self.tokenizer.save_pretrained(out)
+        return out
+
+    def fit(self) -> dict[str, Any]:
+        bar = tqdm(total=self.cfg.steps, initial=self.step, desc="train", disable=not self.cfg.progress)
+        last: dict[str, float] = {}
+        while self.step < self.cfg.steps:
+            last = self.train_step()
+            bar.update(1)
+            bar.set_postfix({k: round(last[k], 3) for k in ("success_rate", "reward/mean") if k in last})
+        bar.close()
+        final = self.export()
+        self.logger.close()
+        from envace.training.plots import plot_metrics
+
+        plots = plot_metrics(self.dir / "metrics.jsonl", self.dir / "plots")
+        return {"run_dir": str(self.dir), "final_model": str(final), "plots": [str(p) for p in plots], "last_metrics": last, "real_env_calls": self.real_env_calls}
+
+
+def run_train(cfg: TrainConfig) -> dict[str, Any]:
+    result = Trainer(cfg).fit()
+    print(json.dumps({k: result[k] for k in ("run_dir", "final_model", "real_env_calls")}, indent=2))
+    return result
