@@ -12,6 +12,8 @@ from envace import config as cfgmod
 # command -> (help, "module:ConfigClass", "module:function")
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "eval": ("evaluate a model on worlds, a task file or a benchmark", "envace.evaluation.runner:EvalConfig", "envace.evaluation.runner:run_eval"),
+    "train": ("role-level GRPO with world rehearsal (and the baseline variants)", "envace.training.trainer:TrainConfig", "envace.training.trainer:run_train"),
+    "sft": ("warm-start SFT on trajectories executed in the real world", "envace.training.sft:SFTConfig", "envace.training.sft:run_sft"),
     "tasks": ("write built-in tasks to a JSONL task file", "envace.envs.export:ExportConfig", "envace.envs.export:export_tasks"),
     "serve": ("serve a model as an OpenAI-compatible HTTP server", "envace.backends.server:ServeConfig", "envace.backends.server:serve_command"),
 }

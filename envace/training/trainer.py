@@ -177,7 +177,9 @@ class Trainer:
     # ---- setup ------------------------------------------------------------------------
     def _load(self, spec: str, trainable: bool = True) -> tuple[Any, Any]:
         cfg = self.cfg
-        model, tok = load_trainable(spec, cfg.lora_r if trainable else 0, cfg.lora_alpha, self.accelerator.device, tiny=cfg.tiny)
+        # --tiny replaces the base model only; a checkpoint directory always loads as saved.
+        tiny = cfg.tiny and spec == cfg.model
+        model, tok = load_trainable(spec, cfg.lora_r if trainable else 0, cfg.lora_alpha, self.accelerator.device, tiny=tiny)
         if not trainable:
             model.requires_grad_(False)
         return model, tok

@@ -1,0 +1,153 @@
+"""`envace sft`: warm start on trajectories executed in the real world.
+
+The task's reference calls are replayed through the real rollout engine (a scripted policy
+emits them, the executable world answers), so the data has exactly the token layout the policy
+sees later. ACT tokens learn the calls and the answer; the real tool responses (ENV tokens)
+train the REHEARSE role: the model learns to predict what the world returns.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from tqdm.auto import tqdm
+
+from envace import config as cfgmod
+from envace.algorithms.losses import Row, collate, sequence_logprobs
+from envace.backends.scripted import ScriptedGenerator, sequence_reply
+from envace.config import ConfigError, field
+from envace.rewards import Context, replay_reward
+from envace.rollout import RolloutConfig, RolloutEngine
+from envace.training.setup import TrainingOptions, check_resume, load_trainable, make_accelerator, make_optimizer, micro_batches, run_dir, seed_everything
+from envace.transcript import compact_json
+from envace.types import Role, Task, Trajectory
+
+TRAIN_ROLES = {"act": (Role.ACT,), "act+env": (Role.ACT, Role.ENV)}
+
+
+@dataclass
+class SFTConfig(TrainingOptions):
+    lr: float = field(5e-5, help="AdamW learning rate")
+    tasks: str | None = field(None, help="JSONL tasks with reference_calls (default: built-in train split)")
+    worlds: list[str] = field([], help="built-in worlds (default: all training worlds)")
+    n_per_world: int = field(32, help="built-in tasks per world")
+    difficulty: int | None = field(None, help="built-in difficulty 1-3 (None = mixed)")
+    epochs: int = field(2, help="passes over the data")
+    rows_per_step: int = field(8, help="trajectories per optimizer step")
+    train_roles: Literal["act", "act+env"] = field("act+env", help="act+env also trains REHEARSE on the real tool responses")
+    max_total_tokens: int = field(2048, help="drop reference trajectories longer than this")
+
+    def validate(self) -> None:
+        self.validate_training()
+        if self.tasks and not Path(self.tasks).is_file():
+            raise ConfigError(f"task file {self.tasks} does not exist")
+        if self.epochs < 1 or self.rows_per_step < 1 or self.n_per_world < 1:
+            raise ConfigError("epochs, rows_per_step and n_per_world must be >= 1")
+
+
+def reference_replies(task: Task) -> list[str]:
+    """What an expert writes on each ACT turn: one reference call per turn, then the answer."""
+    if not task.reference_calls:
+        raise ValueError(f"task {task.id} has no reference_calls; SFT needs them")
+    calls = [f"<tool_call>{compact_json({'name': c['name'], 'arguments': c.get('arguments', {})})}</tool_call>" for c in task.reference_calls]
+    return calls + [str(task.metadata.get("reference_answer", "Done."))]
+
+
+def reference_trajectories(tasks: list[Task], tokenizer: Any, env: Any, max_total_tokens: int) -> tuple[list[Trajectory], int]:
+    """Replay each task's reference through the engine in real mode; keep those that verify.
+    Returns (trajectories, number dropped)."""
+    kept, dropped = [], 0
+    config = RolloutConfig(mode="real", max_turns=len(max(tasks, key=lambda t: len(t.reference_calls)).reference_calls) + 1,
+                           max_turn_tokens=max_total_tokens, max_total_tokens=max_total_tokens)
+    for task in tasks:
+        policy = ScriptedGenerator(tokenizer, sequence_reply(reference_replies(task)))
+        [[traj]] = RolloutEngine(policy, env, config).run([task], progress=False)
+        traj.reward, traj.reward_details = replay_reward(task, traj, Context(env=env))
+        if traj.reward == 1.0:
+            kept.append(traj)
+        else:
+            dropped += 1
+    return kept, dropped
+
+
+def sft_rows(trajectories: list[Trajectory], roles: tuple[Role, ...]) -> list[Row]:
+    trained = {int(r) for r in roles}
+    rows = []
+    for t in trajectories:
+        ids, tags = t.token_ids, t.roles
+        zeros = [0.0] * len(ids)
+        rows.append(Row(ids, tags, [1.0 if r in trained else 0.0 for r in tags], zeros, zeros))
+    return rows
+
+
+def nll_step(model: Any, rows: list[Row], pad_id: int, max_tokens: int, device: Any, accelerator: Any) -> float:
+    """Accumulate the token-mean negative log-likelihood over `rows`; returns the loss value."""
+    total = sum(sum(r.loss_mask) for r in rows)
+    loss_sum = 0.0
+    for chunk in micro_batches(rows, max_tokens):
+        batch = collate(chunk, pad_id).to(device)
+        with accelerator.autocast():
+            logprobs, _ = sequence_logprobs(model, batch)
+            loss = -(logprobs * batch.loss_mask).sum() / total
+        accelerator.backward(loss)
+        loss_sum += loss.item()
+    return loss_sum
+
+
+def run_sft(cfg: SFTConfig) -> dict[str, Any]:
+    from envace.envs.environment import WorldEnvironment
+    from envace.envs.tasks import builtin_tasks, load_tasks
+    from envace.training.checkpoint import load_checkpoint, save_checkpoint
+    from envace.training.logging import MetricsLogger
+    from envace.training.plots import plot_metrics
+
+    tasks = load_tasks(cfg.tasks) if cfg.tasks else builtin_tasks("train", cfg.n_per_world, worlds=cfg.worlds or None, difficulty=cfg.difficulty, seed=cfg.seed)
+    out = run_dir(cfg.output_dir, "sft")
+    resume_from = check_resume(out, cfg, cfg.resume)
+    seed_everything(cfg.seed)
+    accelerator = make_accelerator()
+    model, tokenizer = load_trainable(cfg.model, cfg.lora_r, cfg.lora_alpha, accelerator.device, tiny=cfg.tiny)
+    data, dropped = reference_trajectories(tasks, tokenizer, WorldEnvironment(), cfg.max_total_tokens)
+    if not data:
+        raise ConfigError("no reference trajectory verified: the tasks' reference_calls do not solve them")
+    rows = sft_rows(data, TRAIN_ROLES[cfg.train_roles])
+    steps_per_epoch = -(-len(rows) // cfg.rows_per_step)
+    total_steps = steps_per_epoch * cfg.epochs
+    optimizer, scheduler = make_optimizer(model, cfg, total_steps)
+    step = 0
+    if resume_from is not None:
+        step = load_checkpoint(resume_from, {"policy": model}, {"policy": optimizer}, {"policy": scheduler}).step
+    cfgmod.save(cfg, out / "config.yaml")
+    (out / "data_manifest.json").write_text(json.dumps({"train_task_ids": sorted(t.id for t in tasks), "dropped": dropped}))
+    logger = MetricsLogger(out, use_tensorboard=cfg.tensorboard, use_wandb=cfg.wandb, wandb_project=cfg.wandb_project, resume_step=step if resume_from else None, config=cfgmod.to_dict(cfg))
+    bar = tqdm(total=total_steps, initial=step, desc="sft", disable=not cfg.progress)
+    model.train()
+    while step < total_steps:
+        epoch, index = divmod(step, steps_per_epoch)
+        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)).tolist()
+        chunk = [rows[i] for i in order[index * cfg.rows_per_step : (index + 1) * cfg.rows_per_step]]
+        optimizer.zero_grad(set_to_none=True)
+        loss = nll_step(model, chunk, tokenizer.pad_token_id, cfg.micro_batch_tokens, accelerator.device, accelerator)
+        grad_norm = accelerator.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        logger.log(step, {"sft/loss": loss, "sft/grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0], "epoch": epoch})
+        bar.update(1)
+        bar.set_postfix(loss=round(loss, 4))
+        if step % cfg.save_every == 0 or step == total_steps:
+            save_checkpoint(out, step, {"policy": model}, {"policy": optimizer}, {"policy": scheduler}, data_state={"epoch": epoch}, config=cfgmod.to_dict(cfg), keep_last=cfg.keep_last)
+    bar.close()
+    logger.close()
+    final = out / "final"
+    export = model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
+    export.save_pretrained(final)
+    tokenizer.save_pretrained(final)
+    plot_metrics(out / "metrics.jsonl", out / "plots")
+    result = {"run_dir": str(out), "final_model": str(final), "examples": len(rows), "dropped": dropped, "steps": total_steps}
+    print(json.dumps(result, indent=2))
+    return result
