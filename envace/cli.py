@@ -14,6 +14,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "eval": ("evaluate a model on worlds, a task file or a benchmark", "envace.evaluation.runner:EvalConfig", "envace.evaluation.runner:run_eval"),
     "train": ("role-level GRPO with world rehearsal (and the baseline variants)", "envace.training.trainer:TrainConfig", "envace.training.trainer:run_train"),
     "sft": ("warm-start SFT on trajectories executed in the real world", "envace.training.sft:SFTConfig", "envace.training.sft:run_sft"),
+    "demo": ("the whole method on CPU: evaluate, warm-start, train with rehearsal, evaluate, report", "envace.demo:DemoConfig", "envace.demo:run_demo"),
     "tasks": ("write built-in tasks to a JSONL task file", "envace.envs.export:ExportConfig", "envace.envs.export:export_tasks"),
     "serve": ("serve a model as an OpenAI-compatible HTTP server", "envace.backends.server:ServeConfig", "envace.backends.server:serve_command"),
 }
@@ -37,17 +38,21 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None) -> argparse.ArgumentParser:
+    """Flags are generated only for the chosen command, so start-up imports only what it needs."""
     parser = argparse.ArgumentParser(prog="envace", description="Train and run tool-using agents with world rehearsal.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, config_spec, _) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        cfgmod.add_arguments(p, _load(config_spec))
+        if name == command:
+            cfgmod.add_arguments(p, _load(config_spec))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command if command in COMMANDS else None).parse_args(argv)
     _, config_spec, fn_spec = COMMANDS[args.command]
     try:
         cfg = cfgmod.from_namespace(_load(config_spec), args)
