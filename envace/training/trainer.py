@@ -252,9 +252,11 @@ class Trainer:
         optimizer.zero_grad(set_to_none=True)
         total = sum(sum(r.loss_mask) for r in rows)
         sums: dict[str, float] = {}
-        if total == 0:
+        if not any(a for r in rows for a, m in zip(r.advantages, r.loss_mask) if m):
+            # No learning signal (e.g. every group had equal rewards): a step would only apply
+            # weight decay and move Adam's moments, so the weights stay as they are.
             scheduler.step()
-            return {"trained_tokens": 0.0}
+            return {"trained_tokens": float(total), "skipped_update": 1.0}
         pad_id = self.tokenizer.pad_token_id
         for chunk in micro_batches(rows, cfg.micro_batch_tokens):
             batch = collate(chunk, pad_id).to(self.accelerator.device)
@@ -266,13 +268,13 @@ class Trainer:
                         ref, _ = sequence_logprobs(self.models.reference, batch)
                 loss, m = ppo_loss(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, cfg.clip_eps, cfg.dual_clip, ref, cfg.kl_coef, roles=batch.roles, entropy=entropy, num_tokens=float(total))
             self.accelerator.backward(loss)
-            weight = float(batch.loss_mask.sum()) / total
             for k, v in m.items():
-                sums[k] = sums.get(k, 0.0) + (v if k == "loss" or k.startswith("tokens") else v * weight)
+                sums[k] = sums.get(k, 0.0) + (v if k == "loss" or k.startswith("tokens") else v * m[_token_key(k)])
+        sums = {k: v if k == "loss" or k.startswith("tokens") else v / max(sums[_token_key(k)], 1.0) for k, v in sums.items()}
         grad_norm = self.accelerator.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.grad_clip)
         optimizer.step()
         scheduler.step()
-        return sums | {"grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0], "trained_tokens": float(total)}
+        return sums | {"grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0], "trained_tokens": float(total), "skipped_update": 0.0}
 
     def score(self, tasks: list[Task], groups: list[list[Trajectory]]) -> dict[str, float]:
         compute_rewards(self.cfg.reward, groups, tasks, Context(env=self.env))
@@ -331,6 +333,12 @@ class Trainer:
 
         plots = plot_metrics(self.dir / "metrics.jsonl", self.dir / "plots")
         return {"run_dir": str(self.dir), "final_model": str(final), "plots": [str(p) for p in plots], "last_metrics": last, "real_env_calls": self.real_env_calls}
+
+
+def _token_key(metric: str) -> str:
+    """The token count a per-token mean is weighted by: `tokens/act` for `clip_frac/act`."""
+    role = metric.rsplit("/", 1)[1] if "/" in metric else ""
+    return f"tokens/{role}" if role in ("act", "rehearse") else "tokens"
 
 
 def run_train(cfg: TrainConfig) -> dict[str, Any]:

@@ -1,0 +1,175 @@
+"""Trainer and SFT on a tiny random model over the real tokenizer, with the small Counter world."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from envace.algorithms.losses import TRAINED_ROLES, build_rows
+from envace.algorithms import ADVANTAGES
+from envace.config import ConfigError, build
+from envace.envs.tasks import save_tasks
+from envace.training.sft import SFTConfig, reference_trajectories, run_sft, sft_rows
+from envace.training.trainer import TaskStream, TrainConfig, Trainer
+from envace.types import Role, Task
+
+from tests.test_rollout import counter_task
+
+SMALL = dict(tiny=True, steps=2, tasks_per_step=2, k=2, max_turns=2, max_turn_tokens=12, max_rehearse_tokens=8,
+             max_total_tokens=400, progress=False, tensorboard=False, lr=1e-3)
+
+
+@pytest.fixture(scope="module")
+def task_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tasks") / "counter.jsonl"
+    tasks = [counter_task(n) for n in (1, 2, 3, 4)]
+    for i, t in enumerate(tasks):
+        t.id = f"counter-{i}"
+        t.metadata["reference_answer"] = f"The counter is {i + 1}."
+    save_tasks(tasks, path)
+    return str(path)
+
+
+def params(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_task_stream_is_deterministic_and_resumable():
+    tasks = [Task(id=str(i), world="w", messages=[]) for i in range(5)]
+    a = TaskStream(tasks, seed=3)
+    first = [t.id for t in a.take(7)]
+    b = TaskStream(tasks, seed=3)
+    b.take(4)
+    c = TaskStream(tasks, seed=3, **b.state())
+    assert [t.id for t in c.take(3)] == first[4:]
+    assert sorted(first[:5]) == [str(i) for i in range(5)]  # an epoch visits every task once
+
+
+@pytest.mark.parametrize(
+    "values,match",
+    [
+        ({"k": 1}, "k must be >= 2"),
+        ({"variant": "no-share"}, "no-share needs --rehearse-layout isolated"),
+        ({"real_fraction": 1.5}, "real_fraction"),
+        ({"variant": "real-grpo", "real_fraction": 0.5}, "real_fraction applies"),
+        ({"reward": "nope"}, "unknown reward"),
+        ({"model": "/no/such/model"}, "model"),
+        ({"tasks": "/no/such.jsonl"}, "does not exist"),
+        ({"resume": True}, "--resume needs --output-dir"),
+    ],
+)
+def test_train_config_validation(values, match):
+    with pytest.raises((ConfigError, ValueError), match=match):
+        build(TrainConfig, values)
+
+
+@pytest.mark.parametrize(
+    "variant,layout,trained",
+    [
+        ("envace", "transcript", {Role.ACT, Role.REHEARSE}),
+        ("act-only", "transcript", {Role.ACT}),
+        ("real-grpo", "transcript", {Role.ACT}),
+        ("simulator", "transcript", {Role.ACT}),
+    ],
+)
+def test_variant_masks_choose_trained_tokens(tokenizer, variant, layout, trained):
+    from envace.backends.scripted import ScriptedGenerator
+    from envace.envs.environment import WorldEnvironment
+    from envace.rollout import RolloutConfig, RolloutEngine
+    from tests.test_rollout import agent
+
+    mode = {"real-grpo": "real", "simulator": "simulator"}.get(variant, "rehearse")
+    sim = ScriptedGenerator(tokenizer, lambda _: '{"value": 5}') if mode == "simulator" else None
+    engine = RolloutEngine(ScriptedGenerator(tokenizer, agent), WorldEnvironment(), RolloutConfig(mode=mode), simulator=sim)
+    groups = engine.run([counter_task()], k=2, progress=False)
+    groups[0][0].reward, groups[0][1].reward = 1.0, 0.0
+    adv = ADVANTAGES.get("role_grpo")(groups)
+    [row, _] = build_rows(groups[0], adv[0].trajectories, TRAINED_ROLES[variant]["policy"], layout)
+    trained_roles = {Role(r) for r, m in zip(row.roles, row.loss_mask) if m}
+    assert trained_roles == trained
+    assert all(m == 0 for r, m in zip(row.roles, row.loss_mask) if r in (Role.PROMPT, Role.ENV, Role.USER))
+
+
+def test_sft_data_is_real_world_reference_trajectories(tokenizer, task_file):
+    from envace.envs.environment import WorldEnvironment
+    from envace.envs.tasks import load_tasks
+
+    data, dropped = reference_trajectories(load_tasks(task_file), tokenizer, WorldEnvironment(), 1024)
+    assert dropped == 0 and len(data) == 4
+    assert all(t.reward == 1.0 and t.real_env_calls == 1 for t in data)
+    row = sft_rows(data[:1], (Role.ACT, Role.ENV))[0]
+    trained_text = tokenizer.decode([i for i, m in zip(row.input_ids, row.loss_mask) if m])
+    assert '"name": "add"' in trained_text and '{"value": 1}' in trained_text and "The counter is 1." in trained_text
+
+
+def test_sft_reduces_loss(tmp_path, task_file):
+    cfg = build(SFTConfig, dict(tiny=True, tasks=task_file, epochs=3, rows_per_step=4, lr=3e-3, output_dir=str(tmp_path / "sft"), progress=False, tensorboard=False))
+    result = run_sft(cfg)
+    losses = [json.loads(line)["sft/loss"] for line in open(tmp_path / "sft" / "metrics.jsonl")]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    assert (tmp_path / "sft" / "final" / "config.json").is_file() and result["examples"] == 4
+
+
+def test_train_step_updates_weights_and_logs(tmp_path, task_file):
+    cfg = build(TrainConfig, dict(SMALL, tasks=task_file, output_dir=str(tmp_path / "run"), steps=1))
+    trainer = Trainer(cfg)
+    before = params(trainer.models.policy)
+    metrics = trainer.train_step()
+    trainer.logger.close()
+    assert metrics["env/real_calls_step"] == 0  # rehearse mode never calls the real world
+    assert "policy/trained_tokens" in metrics and "time/rollout_share" in metrics
+    moved = not torch.equal(before, params(trainer.models.policy))
+    assert moved == (metrics["groups/degenerate_frac"] < 1.0)
+    from envace.training.checkpoint import latest_checkpoint
+
+    assert latest_checkpoint(tmp_path / "run").name.endswith("1")
+
+
+def test_resume_reaches_the_same_weights_as_an_uninterrupted_run(tmp_path, task_file):
+    full = Trainer(build(TrainConfig, dict(SMALL, tasks=task_file, output_dir=str(tmp_path / "full"))))
+    full.fit()
+    part = Trainer(build(TrainConfig, dict(SMALL, tasks=task_file, output_dir=str(tmp_path / "part"), steps=1)))
+    part.fit()
+    resumed = Trainer(build(TrainConfig, dict(SMALL, tasks=task_file, output_dir=str(tmp_path / "part"), resume=True)))
+    assert resumed.step == 1
+    resumed.fit()
+    assert torch.allclose(params(full.models.policy), params(resumed.models.policy), atol=1e-6)
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "part" / "metrics.jsonl")]
+    assert steps == [1, 2]
+
+
+def test_existing_run_needs_resume_flag(tmp_path, task_file):
+    Trainer(build(TrainConfig, dict(SMALL, tasks=task_file, output_dir=str(tmp_path / "r"), steps=1))).fit()
+    with pytest.raises(ConfigError, match="--resume"):
+        Trainer(build(TrainConfig, dict(SMALL, tasks=task_file, output_dir=str(tmp_path / "r"), steps=1)))
+    with pytest.raises(ConfigError, match="options differ.*lr"):
+        Trainer(build(TrainConfig, dict(SMALL, tasks=task_file, output_dir=str(tmp_path / "r"), lr=0.5, resume=True)))
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_from_last_checkpoint(tmp_path, task_file):
+    """SIGKILL a training process after its first checkpoint; --resume finishes the run."""
+    out = tmp_path / "killed"
+    args = [sys.executable, "-m", "envace.cli", "train", "--tiny", "--tasks", task_file, "--steps", "3", "--tasks-per-step", "2", "--k", "2",
+            "--max-turns", "2", "--max-turn-tokens", "12", "--max-rehearse-tokens", "8", "--max-total-tokens", "400",
+            "--no-progress", "--no-tensorboard", "--output-dir", str(out)]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    from envace.training.checkpoint import latest_checkpoint
+
+    while latest_checkpoint(out) is None:
+        assert time.time() < deadline and proc.poll() is None, "training died before its first checkpoint"
+        time.sleep(0.5)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "final").exists()
+    done = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (out / "final" / "config.json").is_file()
+    steps = [json.loads(line)["step"] for line in open(out / "metrics.jsonl")]
+    assert steps == sorted(set(steps)) and steps[-1] == 3
