@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import random
+import re
 from typing import Any, Callable, ClassVar
 
 import jsonschema
@@ -80,30 +81,40 @@ class ToolWorld:
 
     # ---- tools -------------------------------------------------------------------------
     @classmethod
+    def _schemas(cls) -> dict[str, dict[str, Any]]:
+        """name -> schema, collected once per class."""
+        if "_schema_map" not in cls.__dict__:
+            found = (getattr(getattr(cls, a, None), "__tool_schema__", None) for a in sorted(dir(cls)))
+            cls._schema_map = {s["function"]["name"]: s for s in found if s is not None}
+        return cls._schema_map
+
+    @classmethod
+    def _validator(cls, name: str) -> jsonschema.protocols.Validator:
+        """One compiled validator per tool: validating is on the hot path of rollouts and replays."""
+        if "_validators" not in cls.__dict__:
+            cls._validators = {}
+        if name not in cls._validators:
+            cls._validators[name] = jsonschema.Draft202012Validator(cls._schemas()[name]["function"]["parameters"])
+        return cls._validators[name]
+
+    @classmethod
     def tool_schemas(cls) -> list[dict[str, Any]]:
-        schemas = []
-        for attr in sorted(dir(cls)):
-            schema = getattr(getattr(cls, attr, None), "__tool_schema__", None)
-            if schema is not None:
-                schemas.append(copy.deepcopy(schema))
-        return schemas
+        return copy.deepcopy(list(cls._schemas().values()))
 
     @classmethod
     def tool_names(cls) -> list[str]:
-        return [s["function"]["name"] for s in cls.tool_schemas()]
+        return list(cls._schemas())
 
     def call(self, name: str, arguments: Any) -> dict[str, Any]:
         """Execute one call. Always returns a JSON object; errors are observations, not exceptions."""
-        schema = next((s for s in self.tool_schemas() if s["function"]["name"] == name), None)
-        if schema is None:
+        if name not in self._schemas():
             return error("TOOL_NOT_FOUND", f"unknown tool {name!r}; available: {', '.join(self.tool_names())}")
         if not isinstance(arguments, dict):
             return error("INVALID_ARGUMENTS", f"arguments must be a JSON object, got {type(arguments).__name__}")
-        try:
-            jsonschema.validate(arguments, schema["function"]["parameters"])
-        except jsonschema.ValidationError as exc:
-            where = ".".join(str(p) for p in exc.absolute_path) or "arguments"
-            return error("INVALID_ARGUMENTS", f"{where}: {exc.message}")
+        problem = next(iter(self._validator(name).iter_errors(arguments)), None)
+        if problem is not None:
+            where = ".".join(str(p) for p in problem.absolute_path) or "arguments"
+            return error("INVALID_ARGUMENTS", f"{where}: {problem.message}")
         try:
             result = getattr(self, name)(**arguments)
         except ToolError as exc:
@@ -151,10 +162,16 @@ def get_path(state: Any, path: str) -> Any:
     return node
 
 
-def _answer_numbers(text: str) -> list[float]:
-    import re
+MAX_ANSWER_NUMBERS = 4
 
-    return [float(m.replace(",", "")) for m in re.findall(r"-?\d[\d,]*\.?\d*", text)]
+
+def _answer_numbers(text: str) -> list[float]:
+    return [float(m.replace(",", "").rstrip(".")) for m in re.findall(r"-?\d[\d,]*\.?\d*", text)]
+
+
+def _contains_word(text: str, needle: str) -> bool:
+    """Case-insensitive match that does not cut words or numbers: "3" is not found in "30"."""
+    return re.search(rf"(?<![\w.]){re.escape(needle.lower())}(?![\w]|\.\d)", text.lower()) is not None
 
 
 def check_success(spec: dict[str, Any], state: dict[str, Any], final_answer: str | None) -> tuple[float, dict[str, Any]]:
@@ -162,6 +179,8 @@ def check_success(spec: dict[str, Any], state: dict[str, Any], final_answer: str
 
     spec = {"state": [{"path": "...", "equals": v} | {"path": "...", "absent": true}],
             "answer": {"contains": [str, ...]} | {"number": x, "tol": t}}
+    `contains` matches whole words/numbers case-insensitively; `number` passes when a number in
+    the answer is within `tol` and the answer holds at most MAX_ANSWER_NUMBERS distinct numbers.
     Score is 1.0 only when every check passes; details list each check.
     """
     checks: list[dict[str, Any]] = []
@@ -181,11 +200,12 @@ def check_success(spec: dict[str, Any], state: dict[str, Any], final_answer: str
     if answer_spec:
         text = final_answer or ""
         if "contains" in answer_spec:
-            lowered = text.lower()
-            ok = all(str(s).lower() in lowered for s in answer_spec["contains"])
+            ok = all(_contains_word(text, str(s)) for s in answer_spec["contains"])
         elif "number" in answer_spec:
             tol = answer_spec.get("tol", 1e-6)
-            ok = any(abs(x - answer_spec["number"]) <= tol for x in _answer_numbers(text))
+            numbers = _answer_numbers(text)
+            # An answer that lists many numbers must not pass by enumeration (reward hacking).
+            ok = len(set(numbers)) <= MAX_ANSWER_NUMBERS and any(abs(x - answer_spec["number"]) <= tol for x in numbers)
         else:
             raise ValueError(f"answer spec needs 'contains' or 'number', got {answer_spec}")
         checks.append({"check": "answer", "ok": ok, "got": text[:200]})

@@ -23,7 +23,7 @@ from envace.types import Task, Trajectory
 class EvalConfig:
     model: str = field("default", help="model: 'default' (bundled SmolLM2-135M-Instruct), a local directory, a .gguf file, or an http(s):// OpenAI-compatible URL")
     tokenizer: str | None = field(None, help="tokenizer spec for an http model (default: the bundled model's)")
-    api_model: str = field("default", help="model name sent to an OpenAI-compatible server")
+    api_model: str | None = field(None, help="model name sent to an OpenAI-compatible server (default: its only model)")
     worlds: list[str] = field([], help="built-in world names or module:Class (default: all worlds of the split)")
     tasks: str | None = field(None, help="JSONL task file (docs/tasks.md) instead of built-in worlds")
     benchmark: str | None = field(None, help="benchmark name (bfcl, tau2, finmcp, vitabench, all)")
@@ -71,6 +71,7 @@ class EvalConfig:
             raise ConfigError(f"difficulty must be 1, 2 or 3, got {self.difficulty}")
         if not 0 < self.top_p <= 1 or self.temperature < 0:
             raise ConfigError("temperature must be >= 0 and top_p in (0, 1]")
+        check_models(self.model, self.simulator, self.judge, self.tokenizer)
 
     def rollout_config(self) -> RolloutConfig:
         fields = {f.name for f in dataclasses.fields(RolloutConfig)}
@@ -132,16 +133,37 @@ def write_trajectories(path: Path, groups: list[list[Trajectory]]) -> None:
                 f.write(json.dumps(trajectory_json(traj)) + "\n")
 
 
+def is_url(spec: str) -> bool:
+    return spec.startswith(("http://", "https://"))
+
+
+def check_models(*specs: str | None) -> None:
+    """Fail on a bad local model spec before any work starts (URLs are checked when opened)."""
+    from envace.backends.models import check_model_spec
+
+    for spec in specs:
+        if spec and not is_url(spec):
+            check_model_spec(spec)
+
+
+def open_generator(spec: str, seed: int, tokenizer: str | None = None, api_model: str | None = None) -> Any:
+    """A local model or an OpenAI-compatible server (whose tokenizer must be given or be the default's)."""
+    from envace.backends import load_tokenizer, make_generator
+
+    if is_url(spec):
+        return make_generator(spec, tokenizer=load_tokenizer(tokenizer or "default"), model=api_model)
+    return make_generator(spec, seed=seed)
+
+
 def run_eval(cfg: EvalConfig) -> dict[str, Any]:
-    from envace.backends import make_generator
     from envace.envs.environment import WorldEnvironment
 
     tasks = load_eval_tasks(cfg)
     if not tasks:
         raise ConfigError("no tasks to evaluate (check --tasks / --worlds / --limit)")
-    policy = make_generator(cfg.model, tokenizer=cfg.tokenizer, api_model=cfg.api_model, seed=cfg.seed)
-    simulator = make_generator(cfg.simulator, seed=cfg.seed) if cfg.simulator else None
-    judge = make_generator(cfg.judge, seed=cfg.seed) if cfg.judge else None
+    policy = open_generator(cfg.model, cfg.seed, cfg.tokenizer, cfg.api_model)
+    simulator = open_generator(cfg.simulator, cfg.seed) if cfg.simulator else None
+    judge = open_generator(cfg.judge, cfg.seed) if cfg.judge else None
     env = WorldEnvironment()
     engine = RolloutEngine(policy, env, cfg.rollout_config(), simulator=simulator)
     out = output_dir(cfg)

@@ -1,0 +1,333 @@
+"""Built-in worlds: hand-computed tool results, error observations, and generated tasks that
+replay to 1.0 and fail when a required call or the answer is wrong."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from envace.envs import HELDOUT_WORLDS, TRAIN_WORLDS, WORLDS, get_world
+from envace.envs.tasks import builtin_tasks
+from envace.registry import RegistryError
+
+ALL_WORLDS = TRAIN_WORLDS + HELDOUT_WORLDS
+
+
+def ok(world, name, **arguments):
+    obs = world.call(name, arguments)
+    assert "error" not in obs, obs
+    return obs
+
+
+def code(world, name, **arguments):
+    return world.call(name, arguments)["error"]["code"]
+
+
+def answer_for(task):
+    return f"Done, the answer is {task.metadata['reference_answer']}." if "reference_answer" in task.metadata else "Done."
+
+
+def keys_sorted(obj):
+    if isinstance(obj, dict):
+        return list(obj) == sorted(obj) and all(keys_sorted(v) for v in obj.values())
+    return all(keys_sorted(v) for v in obj) if isinstance(obj, list) else True
+
+
+def replay(task, calls):
+    world = get_world(task.world)(task.initial_state)
+    return world, [world.call(c["name"], c["arguments"]) for c in calls]
+
+
+# ---- shop ----------------------------------------------------------------------------------
+
+@pytest.fixture
+def shop():
+    return get_world("shop")({"products": {
+        "P1": {"category": "kitchen", "name": "mug", "price": 12.5, "stock": 3},
+        "P2": {"category": "home", "name": "lamp", "price": 30, "stock": 1},
+        "P3": {"category": "kitchen", "name": "kettle", "price": 24, "stock": 2},
+    }, "cart": {}, "coupon": None, "orders": {}})
+
+
+def test_shop_tools(shop):
+    assert [p["id"] for p in ok(shop, "search_products", query="KITCHEN")["products"]] == ["P1", "P3"]
+    assert ok(shop, "get_product", product_id="P2") == {"category": "home", "id": "P2", "name": "lamp", "price": 30, "stock": 1}
+    cart = ok(shop, "add_to_cart", product_id="P1", quantity=2)
+    assert (cart["subtotal"], cart["discount"], cart["shipping"], cart["total"]) == (25, 0, 5, 30)
+    assert ok(shop, "apply_coupon", code="FLAT5")["total"] == 25  # 25 - 5 + shipping 5
+    cart = ok(shop, "add_to_cart", product_id="P2", quantity=1)
+    assert (cart["subtotal"], cart["discount"], cart["shipping"], cart["total"]) == (55, 5, 0, 50)
+    cart = ok(shop, "apply_coupon", code="SAVE10")  # 10% of 55 = 5.5; 49.5 < 50 so shipping comes back
+    assert (cart["discount"], cart["shipping"], cart["total"]) == (5.5, 5, 54.5)
+    assert list(cart) == sorted(cart) and ok(shop, "view_cart") == cart
+    assert ok(shop, "checkout") == {"order_id": "O1", "total": 54.5}
+    assert shop.state["orders"]["O1"] == {"coupon": "SAVE10", "items": {"P1": 2, "P2": 1}, "total": 54.5}
+    assert (shop.state["products"]["P1"]["stock"], shop.state["products"]["P2"]["stock"]) == (1, 0)
+    assert (shop.state["cart"], shop.state["coupon"]) == ({}, None)
+
+
+def test_shop_errors(shop):
+    assert code(shop, "add_to_cart", product_id="P2", quantity=2) == "OUT_OF_STOCK"
+    assert code(shop, "add_to_cart", product_id="P9", quantity=1) == "NOT_FOUND"
+    assert code(shop, "add_to_cart", product_id="P1", quantity=0) == "INVALID_ARGUMENTS"
+    assert code(shop, "apply_coupon", code="FLAT5") == "COUPON_NOT_APPLICABLE"
+    assert code(shop, "apply_coupon", code="BOGUS") == "INVALID_COUPON"
+    assert code(shop, "checkout") == "EMPTY_CART"
+    assert shop.state["orders"] == {} and shop.state["cart"] == {}
+
+
+# ---- bank ----------------------------------------------------------------------------------
+
+@pytest.fixture
+def bank():
+    return get_world("bank")({"accounts": {
+        "A1": {"balance": 1000, "name": "checking", "owner": "me"},
+        "A2": {"balance": 500, "name": "savings", "owner": "me"},
+        "E1": {"balance": 0, "name": "Bob", "owner": "Bob"},
+    }, "transfers": {}})
+
+
+def test_bank_tools(bank):
+    assert ok(bank, "list_accounts") == {"accounts": [{"balance": 1000, "id": "A1", "name": "checking"},
+                                                      {"balance": 500, "id": "A2", "name": "savings"}]}
+    assert ok(bank, "get_fee_schedule")["external"] == {"max": 10, "min": 1, "percent": 1}
+    assert ok(bank, "transfer", from_account="A1", to_account="E1", amount=100) == {"amount": 100, "balance": 899, "fee": 1, "id": "T1"}
+    assert ok(bank, "transfer", from_account="A1", to_account="E1", amount=250)["balance"] == 646.5  # fee 2.5
+    assert ok(bank, "transfer", from_account="A2", to_account="E1", amount=50)["fee"] == 1  # 0.5 -> minimum 1
+    assert ok(bank, "transfer", from_account="A2", to_account="A1", amount=100)["fee"] == 0  # own accounts: free
+    assert ok(bank, "transfer", from_account="A1", to_account="E1", amount=700)["fee"] == 7
+    assert ok(bank, "get_balance", account_id="A1") == {"account_id": "A1", "balance": 39.5}  # 646.5 + 100 - 707
+    assert bank.state["accounts"]["E1"]["balance"] == 1100
+    assert list(bank.state["transfers"]) == ["T1", "T2", "T3", "T4", "T5"]
+    bank.state["accounts"]["A2"]["balance"] = 2000
+    assert ok(bank, "transfer", from_account="A2", to_account="E1", amount=1500)["fee"] == 10  # 15 -> maximum 10
+
+
+def test_bank_errors(bank):
+    assert code(bank, "transfer", from_account="A2", to_account="E1", amount=496) == "INSUFFICIENT_FUNDS"  # 496 + 4.96 > 500
+    assert ok(bank, "transfer", from_account="A2", to_account="E1", amount=495)["balance"] == 0.05
+    assert code(bank, "transfer", from_account="E1", to_account="A1", amount=5) == "FORBIDDEN"
+    assert code(bank, "get_balance", account_id="E1") == "FORBIDDEN"
+    assert code(bank, "transfer", from_account="A1", to_account="A1", amount=5) == "SAME_ACCOUNT"
+    assert code(bank, "transfer", from_account="A1", to_account="A9", amount=5) == "NOT_FOUND"
+    assert code(bank, "transfer", from_account="A1", to_account="E1", amount=0) == "INVALID_ARGUMENTS"
+
+
+# ---- files ---------------------------------------------------------------------------------
+
+@pytest.fixture
+def files():
+    return get_world("files")({"files": {"/docs/plan": "ship v2 on friday", "/docs/notes": "DRAFT ideas", "/tmp/x": "DRAFT"}})
+
+
+def test_files_tools(files):
+    assert ok(files, "list_dir", path="/") == {"entries": ["docs/", "tmp/"], "path": "/"}
+    assert ok(files, "list_dir", path="/docs/") == {"entries": ["notes", "plan"], "path": "/docs"}
+    assert ok(files, "read_file", path="/docs/plan") == {"content": "ship v2 on friday", "path": "/docs/plan"}
+    assert ok(files, "search", text="DRAFT") == {"paths": ["/docs/notes", "/tmp/x"]}
+    assert ok(files, "search", text="draft") == {"paths": []}
+    assert ok(files, "write_file", path="/tmp/y", content="hello") == {"path": "/tmp/y", "size": 5}
+    assert ok(files, "move", source="/docs/plan", destination="/archive/plan") == {"destination": "/archive/plan", "source": "/docs/plan"}
+    assert ok(files, "delete_file", path="/tmp/x") == {"deleted": "/tmp/x"}
+    assert files.state["files"] == {"/archive/plan": "ship v2 on friday", "/docs/notes": "DRAFT ideas", "/tmp/y": "hello"}
+
+
+def test_files_errors(files):
+    assert code(files, "list_dir", path="/nope") == "NOT_FOUND"
+    assert code(files, "list_dir", path="docs") == "INVALID_PATH"
+    assert code(files, "read_file", path="/docs/none") == "NOT_FOUND"
+    assert code(files, "write_file", path="/docs/", content="x") == "INVALID_PATH"
+    assert code(files, "move", source="/tmp/x", destination="/docs/plan") == "EXISTS"
+    assert code(files, "move", source="/tmp/none", destination="/tmp/z") == "NOT_FOUND"
+    assert code(files, "delete_file", path="/tmp/none") == "NOT_FOUND"
+    assert len(files.state["files"]) == 3
+
+
+# ---- calendar ------------------------------------------------------------------------------
+
+@pytest.fixture
+def calendar():
+    return get_world("calendar")({"events": {
+        "E1": {"day": "mon", "end": 10, "start": 9, "status": "active", "title": "standup"},
+        "E2": {"day": "mon", "end": 13, "start": 11, "status": "active", "title": "review"},
+        "E3": {"day": "tue", "end": 10, "start": 9, "status": "cancelled", "title": "gym"},
+    }})
+
+
+def test_calendar_tools(calendar):
+    assert [e["id"] for e in ok(calendar, "list_events", day="mon")["events"]] == ["E1", "E2"]
+    assert ok(calendar, "list_events", day="tue") == {"day": "tue", "events": []}  # cancelled events are not listed
+    assert ok(calendar, "find_free_slot", day="mon", duration=1) == {"day": "mon", "end": 11, "start": 10}
+    assert ok(calendar, "find_free_slot", day="mon", duration=2) == {"day": "mon", "end": 15, "start": 13}
+    assert ok(calendar, "find_free_slot", day="tue", duration=9)["start"] == 9
+    assert ok(calendar, "create_event", title="demo", day="mon", start=13, end=14) == {"day": "mon", "end": 14, "id": "E4", "start": 13, "title": "demo"}
+    assert ok(calendar, "move_event", event_id="E1", day="mon", start=10)["end"] == 11  # may overlap its old slot
+    assert ok(calendar, "move_event", event_id="E2", day="tue", start=9) == {"day": "tue", "end": 11, "id": "E2", "start": 9, "title": "review"}
+    assert ok(calendar, "cancel_event", event_id="E1") == {"cancelled": "E1"}
+    assert calendar.state["events"]["E1"]["status"] == "cancelled"
+
+
+def test_calendar_errors(calendar):
+    assert code(calendar, "create_event", title="demo", day="mon", start=12, end=14) == "CONFLICT"
+    assert "E2" in calendar.call("create_event", {"title": "d", "day": "mon", "start": 12, "end": 14})["error"]["message"]
+    assert code(calendar, "create_event", title="demo", day="mon", start=17, end=19) == "INVALID_TIME"
+    assert code(calendar, "create_event", title="demo", day="mon", start=15, end=15) == "INVALID_TIME"
+    assert code(calendar, "create_event", title="demo", day="sat", start=9, end=10) == "INVALID_ARGUMENTS"
+    assert code(calendar, "find_free_slot", day="mon", duration=9) == "NO_SLOT"
+    assert code(calendar, "move_event", event_id="E1", day="mon", start=12) == "CONFLICT"
+    assert code(calendar, "move_event", event_id="E3", day="wed", start=9) == "CANCELLED"
+    assert code(calendar, "cancel_event", event_id="E3") == "CANCELLED"
+    assert code(calendar, "cancel_event", event_id="E9") == "NOT_FOUND"
+
+
+# ---- travel --------------------------------------------------------------------------------
+
+@pytest.fixture
+def travel():
+    route = {"destination": "LON", "origin": "NYC", "day": "mon"}
+    return get_world("travel")({"flights": {
+        "F100": {**route, "depart": 9, "price": 245, "seats": 1},
+        "F200": {**route, "depart": 7, "price": 300, "seats": 0},
+        "F300": {"destination": "NYC", "origin": "LON", "day": "mon", "depart": 10, "price": 250, "seats": 3},
+    }, "bookings": {}})
+
+
+def test_travel_tools(travel):
+    assert ok(travel, "search_flights", origin="NYC", destination="LON", day="mon") == {"flights": [
+        {"depart": 7, "id": "F200", "price": 300, "seats": 0}, {"depart": 9, "id": "F100", "price": 245, "seats": 1}]}
+    assert ok(travel, "get_flight", flight_id="F300")["origin"] == "LON"
+    assert ok(travel, "book_flight", flight_id="F100", passenger="Ana") == {"booking_id": "B1", "flight_id": "F100", "passenger": "Ana", "price": 245}
+    assert travel.state["flights"]["F100"]["seats"] == 0
+    assert ok(travel, "cancel_booking", booking_id="B1") == {"booking_id": "B1", "refund": 196}  # 80% of 245
+    assert travel.state["flights"]["F100"]["seats"] == 1
+    assert ok(travel, "book_flight", flight_id="F100", passenger="Bo")["booking_id"] == "B2"  # cancelled B1 keeps its id
+    assert [b["status"] for b in ok(travel, "list_bookings")["bookings"]] == ["cancelled", "booked"]
+
+
+def test_travel_errors(travel):
+    assert code(travel, "book_flight", flight_id="F200", passenger="Ana") == "NO_SEATS"
+    assert code(travel, "book_flight", flight_id="F999", passenger="Ana") == "NOT_FOUND"
+    assert code(travel, "search_flights", origin="NYC", destination="LON", day="someday") == "INVALID_ARGUMENTS"
+    ok(travel, "book_flight", flight_id="F100", passenger="Ana")
+    ok(travel, "cancel_booking", booking_id="B1")
+    assert code(travel, "cancel_booking", booking_id="B1") == "CANCELLED"
+    assert code(travel, "cancel_booking", booking_id="B7") == "NOT_FOUND"
+
+
+# ---- every world, every tool ---------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ALL_WORLDS)
+def test_bad_calls_become_error_observations(name):
+    cls = get_world(name)
+    world = cls()
+    assert world.call("nope", {})["error"]["code"] == "TOOL_NOT_FOUND"
+    assert cls.irreversible_tools and cls.irreversible_tools <= set(cls.tool_names())
+    assert cls.description and name in WORLDS
+    for schema in cls.tool_schemas():
+        fn = schema["function"]
+        params = fn["parameters"]["properties"]
+        if fn["parameters"]["required"]:
+            assert code(world, fn["name"]) == "INVALID_ARGUMENTS", fn["name"]  # missing argument
+        for prop in params:
+            assert world.call(fn["name"], {prop: ["wrong", "type"]})["error"]["code"] == "INVALID_ARGUMENTS"
+        assert world.call(fn["name"], {"unexpected": 1})["error"]["code"] == "INVALID_ARGUMENTS"
+        assert world.call(fn["name"], "not an object")["error"]["code"] == "INVALID_ARGUMENTS"
+    assert world.state == cls().state  # no bad call changed anything
+
+
+# ---- generated tasks -----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def generated():
+    return {name: [t for d in (1, 2, 3) for t in get_world(name).generate_tasks(4, "train", seed=7, difficulty=d)]
+            for name in ALL_WORLDS}
+
+
+@pytest.mark.parametrize("name", ALL_WORLDS)
+def test_reference_solutions_score_one_and_broken_ones_zero(name, generated):
+    for task in generated[name]:
+        world, observations = replay(task, task.reference_calls)
+        assert all("error" not in o for o in observations), (task.id, observations)
+        assert keys_sorted(observations), task.id  # one textual form per response
+        assert world.verify(task, answer_for(task))[0] == 1.0, task.id
+        if "answer" in task.success:
+            assert world.verify(task, "I could not find it.")[0] == 0.0, task.id
+        if "state" in task.success:  # drop the last call that changed the state
+            states = [task.initial_state] + [None] * len(task.reference_calls)
+            probe = get_world(name)(task.initial_state)
+            for i, call in enumerate(task.reference_calls, 1):
+                probe.call(call["name"], call["arguments"])
+                states[i] = probe.snapshot()
+            last = max(i for i in range(1, len(states)) if states[i] != states[i - 1])
+            broken, _ = replay(task, task.reference_calls[: last - 1] + task.reference_calls[last:])
+            assert broken.verify(task, answer_for(task))[0] == 0.0, task.id
+
+
+@pytest.mark.parametrize("name, family, tool, key, wrong", [
+    ("bank", "pay", "transfer", "amount", lambda v: v + 5),
+    ("shop", "buy", "add_to_cart", "quantity", lambda v: v + 1),
+    ("calendar", "cancel", "cancel_event", "event_id", lambda v: "E2" if v == "E1" else "E1"),
+    ("travel", "cheapest", "book_flight", "passenger", lambda v: v + "a"),
+])
+def test_one_wrong_argument_scores_zero(name, family, tool, key, wrong):
+    tasks = [t for t in get_world(name).generate_tasks(40, "train", seed=1, difficulty=2) if t.metadata["family"] == family]
+    for task in tasks[:3]:
+        calls = json.loads(json.dumps(task.reference_calls))
+        target = [c for c in calls if c["name"] == tool][-1]["arguments"]
+        target[key] = wrong(target[key])
+        world, _ = replay(task, calls)
+        assert world.verify(task, answer_for(task))[0] == 0.0, task.id
+
+
+@pytest.mark.parametrize("name", ALL_WORLDS)
+def test_task_shape(name):
+    cls = get_world(name)
+    tasks = [t for d in (1, 2, 3) for t in cls.generate_tasks(12, "train", seed=5, difficulty=d)]
+    assert {t.metadata["family"] for t in tasks} == {f.__name__ for f in cls.families}
+    assert [t.hidden_state for t in tasks[:8]] == [False, False, False, True] * 2  # every 4th task
+    for task in tasks:
+        (message,) = task.messages
+        assert message["role"] == "user"
+        facts = cls.facts(task.initial_state)
+        assert message["content"].startswith(facts) != task.hidden_state
+        assert ("answer" in task.success) == ("reference_answer" in task.metadata)
+        assert task.checklist and all(c["weight"] > 0 for c in task.checklist)
+        prompt = cls.description + json.dumps(cls.tool_schemas()) + message["content"]
+        assert len(prompt) < 5000, (task.id, len(prompt))  # ~1500 tokens for a small model
+        json.dumps(dataclasses.asdict(task))
+    calls = {d: [len(t.reference_calls) for t in tasks if t.difficulty == d] for d in (1, 2, 3)}
+    assert min(calls[1]) >= 1 and sum(calls[3]) > sum(calls[1])
+
+
+def test_generation_is_deterministic():
+    for name in ALL_WORLDS:
+        cls = get_world(name)
+        first = [dataclasses.asdict(t) for t in cls.generate_tasks(6, "train", seed=3, difficulty=2)]
+        assert first == [dataclasses.asdict(t) for t in cls.generate_tasks(6, "train", seed=3, difficulty=2)]
+        assert first != [dataclasses.asdict(t) for t in cls.generate_tasks(6, "train", seed=4, difficulty=2)]
+
+
+def test_long_tasks_exist():
+    longest = max(len(t.reference_calls) for name in TRAIN_WORLDS for t in get_world(name).generate_tasks(12, "train", 0, 3))
+    assert longest >= 6
+
+
+# ---- user worlds ---------------------------------------------------------------------------
+
+def test_custom_world_by_module_path():
+    spec = "tests.fixtures_worlds:Library"
+    cls = get_world(spec)
+    assert cls.__name__ == "Library"
+    tasks = builtin_tasks("train", 3, worlds=[spec])
+    assert [t.world for t in tasks] == [spec] * 3
+    for task in tasks:
+        world, _ = replay(task, task.reference_calls)
+        assert world.verify(task, None)[0] == 1.0
+    with pytest.raises(RegistryError, match="not a ToolWorld"):
+        get_world("tests.fixtures_worlds:TITLES")
+    with pytest.raises(RegistryError, match="no attribute"):
+        get_world("tests.fixtures_worlds:Missing")
+    with pytest.raises(RegistryError, match="unknown environment"):
+        get_world("nosuchworld")
