@@ -59,7 +59,9 @@ def trajectory_record(task: Task, traj: Trajectory, success_threshold: float = 1
     return record
 
 
-def summarize_records(records: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize_records(records: list[dict[str, Any]], wall_seconds: float | None = None) -> dict[str, Any]:
+    """Aggregate records. Rollouts run batched, so per-task cost is the batch's wall time / n
+    when given (a trajectory's own `seconds` spans the whole batch it ran in)."""
     n = len(records)
     if n == 0:
         return {"n": 0}
@@ -71,7 +73,7 @@ def summarize_records(records: list[dict[str, Any]]) -> dict[str, Any]:
         "success_ci95": [low, high],
         "mean_reward": sum(r["reward"] or 0.0 for r in records) / n,
         "tokens_per_task": sum(r["total_tokens"] for r in records) / n,
-        "seconds_per_task": sum(r["seconds"] for r in records) / n,
+        "seconds_per_task": (wall_seconds if wall_seconds is not None else sum(r["seconds"] for r in records)) / n,
         "real_env_calls": sum(r["real_env_calls"] for r in records),
         "malformed": sum(sum(r["penalties"].values()) for r in records),
     }
@@ -85,8 +87,11 @@ def summarize_records(records: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def summarize_by(records: list[dict[str, Any]], key: str) -> dict[str, dict[str, Any]]:
+def summarize_by(records: list[dict[str, Any]], key: str, wall_seconds: float | None = None) -> dict[str, dict[str, Any]]:
+    """Per-bucket summaries; the wall time is shared out by each bucket's share of tokens."""
     buckets: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in records:
         buckets[str(r[key])].append(r)
-    return {k: summarize_records(v) for k, v in sorted(buckets.items())}
+    total_tokens = sum(r["total_tokens"] for r in records) or 1
+    return {k: summarize_records(v, None if wall_seconds is None else wall_seconds * sum(r["total_tokens"] for r in v) / total_tokens)
+            for k, v in sorted(buckets.items())}

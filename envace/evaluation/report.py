@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -56,4 +57,5 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
         table.add_column(label, justify="right")
     for name, stats in rows(summary):
         table.add_row(name, *[_cell(stats, k, f) for k, _, f in COLUMNS])
-    (console or Console()).print(table)
+    # Piped output (CI logs, files) would otherwise wrap at 80 columns.
+    (console or Console(width=None if sys.stdout.isatty() else 160)).print(table)

@@ -170,13 +170,14 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
     cfgmod.save(cfg, out / "config.yaml")
     started = time.perf_counter()
     groups, records = evaluate(engine, tasks, cfg.reward, Context(env=env, judge=judge), cfg.k, cfg.progress)
+    wall = time.perf_counter() - started
     summary = {
         "model": cfg.model,
         "mode": cfg.mode,
         "source": cfg.tasks or cfg.benchmark or f"builtin:{cfg.split}",
-        "overall": summarize_records(records),
-        "by_world": summarize_by(records, "world"),
-        "wall_seconds": time.perf_counter() - started,
+        "overall": summarize_records(records, wall),
+        "by_world": summarize_by(records, "world", wall),
+        "wall_seconds": wall,
     }
     write_trajectories(out / "trajectories.jsonl", groups)
     with (out / "records.jsonl").open("w") as f:

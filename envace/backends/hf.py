@@ -1,0 +1,288 @@
+"""Local token-in/token-out generation with transformers and a cross-turn KV cache.
+
+Session state
+    Each session keeps its full token sequence and a compact KV cache (one [1, kv_heads, n, head_dim]
+    key/value pair per layer, no padding) holding every token of the sequence except the last
+    sampled one, which was returned but never fed. A call therefore encodes only that pending token
+    plus `new_tokens[i]`: the prefix is never re-encoded.
+
+One call = one batch
+    The listed sessions are merged into one `DynamicCache`: past caches are left-padded to the
+    longest past, the new chunks are left-padded to the longest chunk, and a 2-D attention mask
+    marks real positions (pads are 0). Position ids come from the mask's cumulative sum, so RoPE
+    sees each row's true positions wherever its padding sits. Rows that finish are cut out of the
+    batch (their compact cache goes back to their session) and leading columns that only held
+    padding are trimmed, so finished rows cost nothing.
+
+Prefill accounting (exact)
+    `stats.prefill_tokens` counts the real (non-pad) tokens encoded by the prefill forward of each
+    call: the pending token plus `new_tokens[i]`. `stats.extra["decode_tokens"]` counts sampled
+    tokens fed back one at a time. For a session after k calls:
+        prefill == sum(len(new_tokens)) + (k - 1)
+        prefill + decode == len(sequence) - 1
+    i.e. nothing is ever encoded twice.
+
+Memory bound
+    Between calls the cache holds exactly (sum over open sessions of their sequence length - 1)
+    positions x layers x 2 x kv_heads x head_dim x dtype bytes (`cache_tokens()` reports the
+    positions); `close` frees a session's cache. During a call the merged batch holds at most
+    batch x (longest past + longest chunk + max_new_tokens) positions; `max_batch` bounds batch.
+    Caches are computed with the weights current at the time: close sessions after a weight update.
+
+Sampling
+    temperature 0 = greedy; otherwise softmax(logits / temperature) restricted to the top_p nucleus,
+    drawn with a `torch.Generator` seeded once from `seed` (reproducible for the same sequence of
+    calls). Logprobs are log_softmax of the raw (temperature 1, unfiltered) logits at the sampled
+    token: the policy's own probability, which is what the trainer's ratio needs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from transformers import DynamicCache
+
+from envace.backends.base import Completion, GenStats, SamplingParams
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [batch, kv_heads, seq, head_dim]
+
+# Extra tokens decoded beyond the longest stop string when checking stop strings, so a stop string
+# is still seen when a token or two in the window decodes to nothing (e.g. partial UTF-8 bytes).
+STOP_TAIL_SLACK = 2
+
+
+@dataclass
+class _Session:
+    tokens: list[int] = field(default_factory=list)  # everything fed and returned, in order
+    kv: KV | None = None  # compact cache of tokens[:cached]; None until the first call
+
+    @property
+    def cached(self) -> int:
+        return 0 if self.kv is None else self.kv[0][0].shape[2]
+
+
+def _left_pad(kvs: list[KV | None], width: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the sessions' compact caches stacked into one batch, left-padded with zeros to
+    `width`. A generator, so only one layer's padded copy exists beside the finished cache."""
+    ref = next(kv for kv in kvs if kv is not None)
+    for layer, (k_ref, v_ref) in enumerate(ref):
+        keys = k_ref.new_zeros(len(kvs), k_ref.shape[1], width, k_ref.shape[3])
+        values = v_ref.new_zeros(len(kvs), v_ref.shape[1], width, v_ref.shape[3])
+        for row, kv in enumerate(kvs):
+            if kv is not None:
+                k, v = kv[layer]
+                keys[row, :, width - k.shape[2]:] = k[0]
+                values[row, :, width - v.shape[2]:] = v[0]
+        yield keys, values
+
+
+class _Batch:
+    """The sessions of one call as one left-padded batch sharing a DynamicCache."""
+
+    def __init__(self, chunks: list[list[int]], kvs: list[KV | None], pad_id: int, device: torch.device):
+        past = [0 if kv is None else kv[0][0].shape[2] for kv in kvs]
+        width_past, width_new = max(past), max(len(c) for c in chunks)
+        self.mask = torch.zeros(len(chunks), width_past + width_new, dtype=torch.long, device=device)
+        self.input_ids = torch.full((len(chunks), width_new), pad_id, dtype=torch.long, device=device)
+        for row, (n_past, chunk) in enumerate(zip(past, chunks)):
+            self.mask[row, width_past - n_past:width_past] = 1
+            self.mask[row, self.mask.shape[1] - len(chunk):] = 1
+            self.input_ids[row, width_new - len(chunk):] = torch.tensor(chunk, device=device)
+        self.cache = DynamicCache(ddp_cache_data=_left_pad(kvs, width_past)) if width_past else DynamicCache()
+
+    def forward(self, model: Any) -> torch.Tensor:
+        """Run the pending input; returns float32 next-token logits [batch, vocab]."""
+        positions = (self.mask.cumsum(-1) - 1).clamp(min=0)[:, -self.input_ids.shape[1]:]
+        out = model(input_ids=self.input_ids, attention_mask=self.mask, position_ids=positions,
+                    cache=self.cache, use_cache=True, logits_to_keep=1)
+        self.cache = out.cache
+        return out.logits[:, -1].float()
+
+    def feed(self, tokens: torch.Tensor) -> None:
+        """Queue one sampled token per row for the next forward."""
+        self.input_ids = tokens[:, None]
+        self.mask = torch.cat([self.mask, self.mask.new_ones(len(tokens), 1)], dim=1)
+
+    def row_kv(self, row: int) -> KV:
+        """Row `row`'s cache without its padding: the compact per-session form."""
+        keep = self.mask[row].nonzero().squeeze(1)
+        return [(layer.keys[row:row + 1, :, keep], layer.values[row:row + 1, :, keep]) for layer in self.cache.layers]
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Drop the other rows, then the leading columns that now hold only padding."""
+        index = torch.tensor(rows, device=self.mask.device)
+        mask = self.mask[index]
+        start = int(mask.any(0).int().argmax())
+        self.mask = mask[:, start:]
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[index, :, start:]
+            layer.values = layer.values[index, :, start:]
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zero every token outside the smallest set whose mass reaches top_p (always keeps the top one)."""
+    sorted_p, order = probs.sort(-1, descending=True)
+    sorted_p[(sorted_p.cumsum(-1) - sorted_p) > top_p] = 0
+    return torch.zeros_like(probs).scatter(-1, order, sorted_p)
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One draw per row from unnormalised probs: inverse CDF with a single uniform per row, far
+    cheaper on CPU than torch.multinomial or per-token noise over a large vocabulary. side="right"
+    never lands on a zero-probability token."""
+    cdf = probs.cumsum(-1)
+    u = torch.rand(len(probs), 1, generator=generator, device=probs.device, dtype=cdf.dtype) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, logprobs) for float32 logits [batch, vocab]; logprobs use the raw logits."""
+    if params.temperature <= 0:
+        tokens = logits.argmax(-1)
+    else:
+        probs = torch.softmax(logits / params.temperature, dim=-1)
+        if params.top_p < 1.0:
+            probs = _top_p(probs, params.top_p)
+        tokens = _draw(probs, generator)
+    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(1)
+    return tokens, logprobs
+
+
+def finish_reason(tokens: list[int], params: SamplingParams, tokenizer: Any) -> str | None:
+    """"stop" if the output ends with a stop token or stop string, "length" at the limit, else None.
+
+    Stop strings are checked on the decoded tail only (longest stop string + STOP_TAIL_SLACK
+    tokens), so the check costs O(1) per step instead of re-decoding the whole output.
+    """
+    if tokens[-1] in params.stop_token_ids:
+        return "stop"
+    if params.stop_strings:
+        tail = max(len(s) for s in params.stop_strings) + STOP_TAIL_SLACK
+        if tokenizer.decode(tokens[-tail:], skip_special_tokens=False).endswith(params.stop_strings):
+            return "stop"
+    return "length" if len(tokens) >= params.max_new_tokens else None
+
+
+class HFGenerator:
+    """`Generator` over a local transformers causal LM (see the module docstring for the design)."""
+
+    def __init__(self, model: Any, tokenizer: Any, seed: int = 0, max_batch: int | None = None):
+        if max_batch is not None and max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1 or None, got {max_batch}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch = max_batch
+        self.stats = GenStats(extra={"decode_tokens": 0})
+        self.device = next(model.parameters()).device
+        self.pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._sessions: dict[int, _Session] = {}
+        self._next_id = 0
+        self._check_full_attention()
+
+    def _check_full_attention(self) -> None:
+        # Compacting a row's cache assumes every layer keeps every position; sliding-window or
+        # linear-attention layers keep something else.
+        probe = DynamicCache(config=self.model.config)
+        if any(probe.is_sliding) or any(getattr(probe, "is_linear", ())):
+            raise NotImplementedError("HFGenerator supports full-attention models only (no sliding-window/linear layers)")
+
+    def open(self, n: int) -> list[int]:
+        ids = list(range(self._next_id, self._next_id + n))
+        self._next_id += n
+        for i in ids:
+            self._sessions[i] = _Session()
+        return ids
+
+    def close(self, sessions: list[int]) -> None:
+        """Free the sessions' caches. Unknown or already closed ids are ignored (safe in cleanup)."""
+        for i in sessions:
+            self._sessions.pop(i, None)
+
+    def cache_tokens(self) -> int:
+        """KV positions held across open sessions (per layer); 0 once all are closed."""
+        return sum(s.cached for s in self._sessions.values())
+
+    def generate(self, sessions: list[int], new_tokens: list[list[int]], params: SamplingParams) -> list[Completion]:
+        states = self._validate(sessions, new_tokens, params)
+        before = [len(s.tokens) for s in states]
+        start = time.perf_counter()
+        was_training = self.model.training
+        self.model.eval()  # no dropout while sampling, even when called from inside training
+        try:
+            with torch.inference_mode():
+                step = self.max_batch or max(1, len(states))
+                completions = []
+                for lo in range(0, len(states), step):
+                    completions += self._generate_batch(states[lo:lo + step], new_tokens[lo:lo + step], params)
+        except BaseException:
+            # Leave every session as before the call; its prefix is simply re-encoded next time.
+            for s, n in zip(states, before):
+                del s.tokens[n:]
+                s.kv = None
+            raise
+        finally:
+            self.model.train(was_training)
+        self.stats.calls += 1
+        self.stats.seconds += time.perf_counter() - start
+        return completions
+
+    def _validate(self, sessions: list[int], new_tokens: list[list[int]], params: SamplingParams) -> list[_Session]:
+        if len(sessions) != len(new_tokens):
+            raise ValueError(f"{len(sessions)} sessions but {len(new_tokens)} token lists")
+        if len(set(sessions)) != len(sessions):
+            raise ValueError("a session may appear only once per generate call")
+        if params.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
+        unknown = [i for i in sessions if i not in self._sessions]
+        if unknown:
+            raise KeyError(f"sessions {unknown} are not open")
+        states = [self._sessions[i] for i in sessions]
+        empty = [i for i, s, new in zip(sessions, states, new_tokens) if not s.tokens and not new]
+        if empty:
+            raise ValueError(f"sessions {empty} have no tokens to condition on: pass the prompt")
+        return states
+
+    def _generate_batch(self, states: list[_Session], new_tokens: list[list[int]], params: SamplingParams) -> list[Completion]:
+        chunks = [s.tokens[s.cached:] + list(new) for s, new in zip(states, new_tokens)]
+        batch = _Batch(chunks, [s.kv for s in states], self.pad_id, self.device)
+        for s in states:
+            s.kv = None  # the batch owns the cache now: never hold two copies
+        logits = batch.forward(self.model)
+        self.stats.prefill_tokens += sum(len(c) for c in chunks)
+
+        outputs: list[list[int]] = [[] for _ in states]
+        logprobs: list[list[float]] = [[] for _ in states]
+        reasons: list[str] = [""] * len(states)
+        active = list(range(len(states)))  # batch row -> index into states
+        while True:
+            tokens, lps = sample(logits, params, self.generator)
+            keep = []
+            for row, (i, tok, lp) in enumerate(zip(active, tokens.tolist(), lps.tolist())):
+                outputs[i].append(tok)
+                logprobs[i].append(lp)
+                reason = finish_reason(outputs[i], params, self.tokenizer)
+                if reason:
+                    reasons[i] = reason
+                    states[i].kv = batch.row_kv(row)
+                else:
+                    keep.append(row)
+            self.stats.generated_tokens += len(active)
+            if not keep:
+                break
+            if len(keep) < len(active):
+                batch.keep_rows(keep)
+                tokens = tokens[keep]
+                active = [active[row] for row in keep]
+            batch.feed(tokens)
+            logits = batch.forward(self.model)
+            self.stats.extra["decode_tokens"] += len(active)
+
+        for s, new, out in zip(states, new_tokens, outputs):
+            s.tokens += list(new) + out
+        return [Completion(token_ids=out, logprobs=lp, finish_reason=reason,
+                           text=self.tokenizer.decode(out, skip_special_tokens=False))
+                for out, lp, reason in zip(outputs, logprobs, reasons)]

