@@ -24,7 +24,7 @@ _SA, _ST1, _ST2, _SB, _SU = (f"\u2063ENVACE{i}\u2063" for i in range(5))
 # Documented fallback for templates that ignore `tools` (e.g. SmolLM2): schemas go into the
 # system prompt and calls use the same <tool_call> tags as Qwen-style native templates.
 FALLBACK_TOOLS_TEMPLATE = """# Tools
-You may call the tools below. Each line is a JSON schema:
+You may call these tools (an argument marked ? is optional):
 <tools>
 {tools}
 </tools>
@@ -117,12 +117,30 @@ def compact_json(obj: Any) -> str:
     return json.dumps(obj, separators=(", ", ": "), ensure_ascii=False)
 
 
+def _type_of(schema: dict[str, Any]) -> str:
+    if "enum" in schema:
+        return " | ".join(json.dumps(v) for v in schema["enum"])
+    if schema.get("type") == "array":
+        return f"list[{_type_of(schema.get('items', {}))}]"
+    kind = schema.get("type", "any")
+    return " | ".join(kind) if isinstance(kind, list) else kind
+
+
+def tool_signature(tool: dict[str, Any]) -> str:
+    """`name(arg: type, opt?: type) - description`: a schema in a third of the tokens of its JSON,
+    which matters for small models with short contexts."""
+    fn = tool.get("function", tool)
+    params = fn.get("parameters", {})
+    required = set(params.get("required", []))
+    args = ", ".join(f"{name}{'' if name in required else '?'}: {_type_of(spec)}" for name, spec in params.get("properties", {}).items())
+    return f"{fn['name']}({args}) - {fn.get('description', '').strip()}"
+
+
 def system_prompt(description: str, tools: list[dict[str, Any]], native_tools: bool) -> str:
-    """The system message: world documentation, plus tool schemas when the template lacks native tools."""
+    """The system message: world documentation, plus tool signatures when the template lacks native tools."""
     parts = [description.strip()] if description.strip() else []
     if not native_tools and tools:
-        lines = "\n".join(compact_json(t.get("function", t)) for t in tools)
-        parts.append(FALLBACK_TOOLS_TEMPLATE.format(tools=lines))
+        parts.append(FALLBACK_TOOLS_TEMPLATE.format(tools="\n".join(tool_signature(t) for t in tools)))
     return "\n\n".join(parts)
 
 

@@ -31,7 +31,7 @@ def test_smollm2_layout_is_chatml_without_native_tools(tokenizer):
 def test_fallback_tools_go_into_system_prompt(tokenizer):
     turn = Transcript(tokenizer).prompt([{"role": "user", "content": "hi"}], "A counter world.", TOOLS)
     assert turn.role == Role.PROMPT
-    assert "A counter world." in turn.text and '"name": "add"' in turn.text
+    assert "A counter world." in turn.text and "add(n?: integer) - Add n." in turn.text
     assert FALLBACK_TOOLS_TEMPLATE.splitlines()[0] in turn.text
     assert turn.text.endswith("<|im_start|>assistant\n")
     assert tokenizer.decode(turn.token_ids) == turn.text
@@ -70,6 +70,14 @@ def test_template_without_chat_template_is_rejected(tokenizer):
             derive_layout(tokenizer)
     finally:
         tokenizer.chat_template = original
+
+
+def test_tool_signature_marks_optional_enums_and_lists():
+    from envace.transcript import tool_signature
+
+    tool = {"name": "f", "description": "Do f.", "parameters": {"type": "object", "required": ["a"], "properties": {
+        "a": {"type": "string"}, "day": {"type": "string", "enum": ["mon", "tue"]}, "ids": {"type": "array", "items": {"type": "integer"}}}}}
+    assert tool_signature(tool) == 'f(a: string, day?: "mon" | "tue", ids?: list[integer]) - Do f.'
 
 
 def test_simulator_prompt_holds_schema_history_call_and_grounding():
