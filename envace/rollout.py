@@ -128,6 +128,26 @@ class RolloutEngine:
     def run(self, tasks: list[Task], k: int = 1, progress: bool = True, desc: str = "rollout") -> list[list[Trajectory]]:
         """K rollouts of every task, all advancing together. Returns one group of K per task."""
         episodes = [self._start(task, g) for task in tasks for g in range(k)]
+        self._drive(episodes, progress, desc)
+        return [[e.traj for e in episodes[i * k : (i + 1) * k]] for i in range(len(tasks))]
+
+    def resume(self, task: Task, prefix: Trajectory, k: int = 1, progress: bool = False, desc: str = "resume") -> list[Trajectory]:
+        """K continuations of `prefix`, an unfinished trajectory of `task` (e.g. the pre-commit guard
+        rehearsing a pending call). Each continuation starts in a fresh session fed the whole prefix;
+        the prefix's unanswered calls (those past its observations) are answered first, then ACT goes
+        on, with `max_turns` counting only the ACT turns after the prefix. The returned trajectories
+        hold the prefix followed by the new turns; the prefix itself is not modified. Not in real
+        mode: a fresh world would not hold the effects of the prefix's calls."""
+        if self.config.mode == "real":
+            raise ValueError("resume needs mode 'rehearse' or 'simulator': a fresh real world lacks the prefix's effects")
+        if prefix.end_reason is not None:
+            raise ValueError(f"cannot resume a finished trajectory (ended: {prefix.end_reason.value})")
+        episodes = [self._resume(task, prefix, g) for g in range(k)]
+        self._drive(episodes, progress, desc)
+        return [e.traj for e in episodes]
+
+    def _drive(self, episodes: list[_Episode], progress: bool, desc: str) -> None:
+        """Advance every episode to its end, all together."""
         bar = tqdm(total=len(episodes), desc=desc, disable=not progress, leave=False)
         active = list(episodes)
         while active:
@@ -141,17 +161,31 @@ class RolloutEngine:
             bar.update(len(finished))
             active = [e for e in active if e.traj.end_reason is None]
         bar.close()
-        return [[e.traj for e in episodes[i * k : (i + 1) * k]] for i in range(len(tasks))]
 
     # ---- episode lifecycle -------------------------------------------------------------
-    def _start(self, task: Task, group: int) -> _Episode:
+    def _open(self, task: Task, traj: Trajectory) -> _Episode:
         description, tools = self.env.describe(task)
         world = self.env.make_world(task) if self.config.mode == "real" else None
-        traj = Trajectory(task_id=task.id, mode=self.config.mode, group=group)
         (session,) = self.policy.open(1)
-        ep = _Episode(task, traj, session, world, description, tools)
-        ep.append(self.transcript.prompt(task.messages, description, tools))
-        traj.messages = self.transcript.prompt_messages(task.messages, description, tools)
+        return _Episode(task, traj, session, world, description, tools)
+
+    def _start(self, task: Task, group: int) -> _Episode:
+        ep = self._open(task, Trajectory(task_id=task.id, mode=self.config.mode, group=group))
+        ep.append(self.transcript.prompt(task.messages, ep.description, ep.tools))
+        ep.traj.messages = self.transcript.prompt_messages(task.messages, ep.description, ep.tools)
+        return ep
+
+    def _resume(self, task: Task, prefix: Trajectory, group: int) -> _Episode:
+        # Copies of the lists only: the engine appends to them and never mutates their items.
+        traj = Trajectory(
+            task_id=task.id, mode=self.config.mode, group=group, turns=list(prefix.turns), messages=list(prefix.messages),
+            tool_calls=list(prefix.tool_calls), observations=list(prefix.observations), penalties=dict(prefix.penalties),
+        )
+        ep = self._open(task, traj)
+        ep.pending = list(prefix.token_ids)  # the new session has seen nothing yet
+        # Every answered call has exactly one observation, in order: the rest still await answers.
+        ep.queue = list(prefix.tool_calls[len(prefix.observations) :])
+        ep.user_turn = sum(t.role == Role.USER for t in prefix.turns)
         return ep
 
     def _finish(self, ep: _Episode) -> None:
@@ -231,7 +265,7 @@ class RolloutEngine:
                 call.user_turn = ep.user_turn
             ep.traj.tool_calls.extend(parsed.calls)
             ep.queue = list(parsed.calls)
-            ep.append(self.transcript.forced_after(out.text, layout.act_to_tool))
+            self._force(ep, self.transcript.forced_after(out.text, layout.act_to_tool))
             return
         ep.traj.final_answer = parsed.text
         next_user = self._next_user_message(ep)
@@ -239,10 +273,9 @@ class RolloutEngine:
             self._end(ep, EndReason.ANSWERED)
             return
         ep.user_turn += 1
-        ep.append(self.transcript.forced_after(out.text, layout.act_to_user))
-        ep.append(self.transcript.user_message(next_user))
-        ep.append(self.transcript.scaffold(layout.user_to_act))
         ep.traj.messages.append({"role": "user", "content": next_user})
+        user = self.transcript.user_message(next_user)
+        self._force(ep, self.transcript.forced_after(out.text, layout.act_to_user), user, self.transcript.scaffold(layout.user_to_act))
 
     def _next_user_message(self, ep: _Episode) -> str | None:
         if self.user_simulator is not None:
@@ -284,13 +317,24 @@ class RolloutEngine:
         """Append one tool response (forced or already generated) and the scaffolding after it."""
         layout = self.transcript.layout
         call = ep.queue.pop(0)
-        if turn is None:
-            turn = self.transcript.tool_response(obs, role)
-        ep.append(turn, fed=role == Role.REHEARSE)
         ep.traj.observations.append(obs)
         ep.traj.messages.append({"role": "tool", "name": call.name, "content": obs})
         following = layout.tool_to_tool if ep.queue else layout.tool_to_act
-        ep.append(self.transcript.forced_after(turn.text, following))
+        if turn is None:
+            turn = self.transcript.tool_response(obs, role)
+            self._force(ep, turn, self.transcript.forced_after(turn.text, following))
+        else:  # a rehearsal, already generated within the budget
+            ep.append(turn, fed=True)
+            self._force(ep, self.transcript.forced_after(turn.text, following))
+
+    def _force(self, ep: _Episode, *turns: Turn) -> None:
+        """Append forced turns, or end the episode if they would break the total-token limit."""
+        if ep.length + sum(len(t.token_ids) for t in turns) > self.config.max_total_tokens:
+            ep.queue.clear()
+            self._end(ep, EndReason.MAX_TOTAL_TOKENS)
+            return
+        for t in turns:
+            ep.append(t)
 
     def _rehearse_in_transcript(self, eps: list[_Episode]) -> None:
         marker = self.transcript.layout.rehearse_marker
