@@ -24,11 +24,12 @@ class DemoConfig:
     model: str = field("default", help="base model")
     tiny: bool = field(False, help="use a tiny random model (smoke test of the pipeline, not a result)")
     output_dir: str = field("runs/demo", help="where the report and runs go")
-    eval_per_world: int = field(3, help="held-out evaluation tasks per world")
-    sft_per_world: int = field(24, help="SFT tasks per training world")
+    eval_per_world: int = field(2, help="held-out evaluation tasks per world")
+    max_turn_tokens: int = field(96, help="tokens per ACT turn in evaluation and training")
+    sft_per_world: int = field(8, help="SFT tasks per training world")
     sft_epochs: int = field(2, help="SFT epochs")
     sft_lr: float = field(1e-4, help="SFT learning rate")
-    rl_steps: int = field(3, help="GRPO steps with world rehearsal")
+    rl_steps: int = field(2, help="GRPO steps with world rehearsal")
     rl_tasks_per_step: int = field(2, help="tasks per GRPO step")
     rl_k: int = field(4, help="rollouts per task")
     rl_lr: float = field(1e-5, help="GRPO learning rate")
@@ -47,8 +48,8 @@ class DemoConfig:
 def _evaluate(model: str, cfg: DemoConfig, split: str, mode: str, out: Path) -> dict[str, Any]:
     from envace.evaluation.runner import EvalConfig, run_eval
 
-    ecfg = EvalConfig(model=model, split=split, n_per_world=cfg.eval_per_world, difficulty=cfg.difficulty, mode=mode,
-                      temperature=0.0, seed=cfg.seed, output_dir=str(out), progress=cfg.progress)
+    ecfg = EvalConfig(model=model, split=split, n_per_world=cfg.eval_per_world, difficulty=cfg.difficulty, mode=mode, max_turns=6,
+                      max_turn_tokens=cfg.max_turn_tokens, temperature=0.0, seed=cfg.seed, output_dir=str(out), progress=cfg.progress)
     ecfg.validate()
     return run_eval(ecfg)
 
@@ -84,7 +85,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         before = {split: stage(f"evaluate base model ({split})", lambda s=split: _evaluate(warm, cfg, s, "real", root / f"eval-base-{s}")) for split in ("test", "heldout")}
     after_sft = {split: stage(f"evaluate after SFT ({split})", lambda s=split: _evaluate(warm, cfg, s, "real", root / f"eval-sft-{s}")) for split in ("test",)}
     train = TrainConfig(model=cfg.model, init_from=warm, variant="envace", steps=cfg.rl_steps, tasks_per_step=cfg.rl_tasks_per_step, k=cfg.rl_k,
-                        lr=cfg.rl_lr, difficulty=cfg.difficulty, output_dir=str(root / "train"), save_every=cfg.rl_steps, **common)
+                        lr=cfg.rl_lr, difficulty=cfg.difficulty, max_turn_tokens=cfg.max_turn_tokens, output_dir=str(root / "train"),
+                        save_every=cfg.rl_steps, **common)
     train.validate()
     train_result = stage("train with world rehearsal (role-level GRPO)", lambda: run_train(train))
     trained = train_result["final_model"]
