@@ -120,6 +120,7 @@ class RolloutEngine:
         self.simulator = simulator or policy
         self.user_simulator = user_simulator
         self.guard = guard
+        self._grounding_cache: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {}
         self.transcript = Transcript(policy.tokenizer)
         self.sim_transcript = self.transcript if self.simulator is policy else Transcript(self.simulator.tokenizer)
         self._eos = tuple(i for i in {policy.tokenizer.eos_token_id} if i is not None)
@@ -377,15 +378,20 @@ class RolloutEngine:
                 continue
             self._record_observation(ep, obs, Role.ENV)
 
+    def _grounding(self, task: Task) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+        """Privileged (call, true result) pairs: the task's reference calls run on a fresh world,
+        as the reference implementation grounds its simulator in the reference trajectory."""
+        if task.id not in self._grounding_cache:
+            world = self.env.make_world(task)
+            self._grounding_cache[task.id] = [(c, world.call(c["name"], c.get("arguments", {}))) for c in task.reference_calls]
+        return self._grounding_cache[task.id]
+
     def _simulator_chat(self, ep: _Episode) -> list[dict[str, Any]]:
         done = len(ep.traj.observations)
         history = list(zip(ep.traj.tool_calls[:done], ep.traj.observations))
-        grounding = _grounding(ep.task) if self.config.grounding else None
+        grounding = self._grounding(ep.task) if self.config.grounding else None
         task_text = next((m["content"] for m in ep.task.messages if m["role"] == "user"), "")
         return simulator_messages(ep.description, ep.tools, history, ep.queue[0], task_text, grounding)
 
 
-def _grounding(task: Task) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """Privileged (call, true result) pairs from the task's reference trajectory, if recorded."""
-    return [(c, c["result"]) for c in task.reference_calls if "result" in c]
 

@@ -176,3 +176,11 @@ def test_k_rollouts_per_task_grouped(tokenizer):
     groups = eng.run([counter_task(), counter_task(3)], k=3, progress=False)
     assert [len(g) for g in groups] == [3, 3]
     assert [t.group for t in groups[1]] == [0, 1, 2]
+
+
+def test_simulator_grounding_shows_true_results_of_reference_calls(tokenizer):
+    seen = []
+    sim = ScriptedGenerator(tokenizer, lambda text: seen.append(text) or '{"value": 5}')
+    eng = RolloutEngine(ScriptedGenerator(tokenizer, agent), WorldEnvironment(), RolloutConfig(mode="simulator", grounding=True), simulator=sim)
+    eng.run([counter_task(4)], progress=False)
+    assert 'call {"name": "add", "arguments": {"n": 4}} -> {"value": 4}' in seen[0]

@@ -47,6 +47,7 @@ class EvalConfig:
     seed: int = field(0, help="random seed (task generation and sampling)")
     output_dir: str | None = field(None, help="where to write results (default runs/eval-<time>)")
     progress: bool = field(True, help="show progress bars")
+    allow_train_overlap: bool = field(False, help="evaluate even on tasks the checkpoint was trained on (flagged in the summary)")
 
     def validate(self) -> None:
         sources = [s for s in (self.tasks, self.benchmark) if s]
@@ -155,12 +156,28 @@ def open_generator(spec: str, seed: int, tokenizer: str | None = None, api_model
     return make_generator(spec, seed=seed)
 
 
+def check_leakage(model: str, tasks: list[Task], allow: bool) -> list[str]:
+    """Refuse to evaluate a checkpoint on tasks its data manifest says it was trained on."""
+    from envace.training.manifest import overlap
+
+    if is_url(model) or not Path(model).is_dir():
+        return []
+    leaked = overlap(model, tasks)
+    if leaked and not allow:
+        raise ConfigError(f"{model} was trained on {len(leaked)} of these tasks (e.g. {leaked[0]}); evaluate on another split, "
+                          "or pass --allow-train-overlap to evaluate anyway (the summary then flags it)")
+    if leaked:
+        print(f"WARNING: {model} was trained on {len(leaked)} of the {len(tasks)} evaluation tasks; results are flagged")
+    return leaked
+
+
 def run_eval(cfg: EvalConfig) -> dict[str, Any]:
     from envace.envs.environment import WorldEnvironment
 
     tasks = load_eval_tasks(cfg)
     if not tasks:
         raise ConfigError("no tasks to evaluate (check --tasks / --worlds / --limit)")
+    leaked = check_leakage(cfg.model, tasks, cfg.allow_train_overlap)
     policy = open_generator(cfg.model, cfg.seed, cfg.tokenizer, cfg.api_model)
     simulator = open_generator(cfg.simulator, cfg.seed) if cfg.simulator else None
     judge = open_generator(cfg.judge, cfg.seed) if cfg.judge else None
@@ -178,6 +195,7 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
         "overall": summarize_records(records, wall),
         "by_world": summarize_by(records, "world", wall),
         "wall_seconds": wall,
+        "trained_on_eval_tasks": leaked,
     }
     write_trajectories(out / "trajectories.jsonl", groups)
     with (out / "records.jsonl").open("w") as f:

@@ -22,6 +22,7 @@ from envace.backends.scripted import ScriptedGenerator, sequence_reply
 from envace.config import ConfigError, field
 from envace.rewards import Context, replay_reward
 from envace.rollout import RolloutConfig, RolloutEngine
+from envace.training.manifest import build_manifest, write_manifest
 from envace.training.setup import TrainingOptions, check_resume, load_trainable, make_accelerator, make_optimizer, micro_batches, run_dir, seed_everything
 from envace.transcript import compact_json
 from envace.types import Role, Task, Trajectory
@@ -122,7 +123,8 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
     if resume_from is not None:
         step = load_checkpoint(resume_from, {"policy": model}, {"policy": optimizer}, {"policy": scheduler}).step
     cfgmod.save(cfg, out / "config.yaml")
-    (out / "data_manifest.json").write_text(json.dumps({"train_task_ids": sorted(t.id for t in tasks), "dropped": dropped}))
+    manifest = build_manifest(tasks, None, sft_dropped=dropped)
+    write_manifest(manifest, out)
     logger = MetricsLogger(out, use_tensorboard=cfg.tensorboard, use_wandb=cfg.wandb, wandb_project=cfg.wandb_project, resume_step=step if resume_from else None, config=cfgmod.to_dict(cfg))
     bar = tqdm(total=total_steps, initial=step, desc="sft", disable=not cfg.progress)
     model.train()
@@ -147,6 +149,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
     export = model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
     export.save_pretrained(final)
     tokenizer.save_pretrained(final)
+    write_manifest(manifest, final)
     plot_metrics(out / "metrics.jsonl", out / "plots")
     result = {"run_dir": str(out), "final_model": str(final), "examples": len(rows), "dropped": dropped, "steps": total_steps}
     print(json.dumps(result, indent=2))

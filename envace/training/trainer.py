@@ -30,6 +30,7 @@ from envace.config import ConfigError, field
 from envace.evaluation.metrics import summarize_records, trajectory_record
 from envace.rewards import REWARDS, Context, compute_rewards
 from envace.rollout import RolloutConfig, RolloutEngine
+from envace.training.manifest import build_manifest, write_manifest
 from envace.training.setup import TrainingOptions, check_resume, load_trainable, make_accelerator, make_optimizer, micro_batches, run_dir, seed_everything, timed
 from envace.types import Role, Task, Trajectory
 
@@ -168,7 +169,8 @@ class Trainer:
         if resume_from is not None:
             self._resume(resume_from)
         cfgmod.save(cfg, self.dir / "config.yaml")
-        (self.dir / "data_manifest.json").write_text(json.dumps({"train_task_ids": sorted(t.id for t in self.tasks)}))
+        self.manifest = build_manifest(self.tasks, cfg.init_from)
+        write_manifest(self.manifest, self.dir)
         from envace.training.logging import MetricsLogger
 
         self.logger = MetricsLogger(self.dir, use_tensorboard=cfg.tensorboard, use_wandb=cfg.wandb, wandb_project=cfg.wandb_project, resume_step=self.step if resume_from else None, config=cfgmod.to_dict(cfg))
@@ -317,6 +319,7 @@ class Trainer:
             model = copy.deepcopy(model).merge_and_unload()
         model.save_pretrained(out)
         self.tokenizer.save_pretrained(out)
+        write_manifest(self.manifest, out)
         return out
 
     def fit(self) -> dict[str, Any]:
