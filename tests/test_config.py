@@ -46,3 +46,14 @@ def test_validation_and_unknown_keys_fail_clearly(tmp_path):
         build(Demo, {"steps": "many"})
     with pytest.raises(ConfigError, match="does not exist"):
         parse(["--config", str(tmp_path / "missing.yaml")])
+
+
+@pytest.mark.parametrize("preset", sorted(__import__("pathlib").Path(__file__).parent.parent.glob("configs/*.yaml")), ids=lambda p: p.name)
+def test_presets_are_valid_train_configs(preset):
+    import yaml
+
+    from envace.training.trainer import TrainConfig
+
+    values = yaml.safe_load(preset.read_text()) | {"model": "default"}
+    cfg = build(TrainConfig, values)
+    assert cfg.steps >= 1
