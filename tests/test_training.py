@@ -173,3 +173,16 @@ def test_killed_run_resumes_from_last_checkpoint(tmp_path, task_file):
     assert (out / "final" / "config.json").is_file()
     steps = [json.loads(line)["step"] for line in open(out / "metrics.jsonl")]
     assert steps == sorted(set(steps)) and steps[-1] == 3
+
+
+@pytest.mark.parametrize("variant,extra", [("real-grpo", {}), ("simulator", {}), ("no-share", {"rehearse_layout": "isolated"}), ("act-only", {}), ("envace", {"real_fraction": 0.5})])
+def test_every_variant_runs_a_step(tmp_path, task_file, variant, extra):
+    trainer = Trainer(build(TrainConfig, dict(SMALL, tasks=task_file, output_dir=str(tmp_path / variant), steps=1, variant=variant, **extra)))
+    metrics = trainer.train_step()
+    trainer.logger.close()
+    real_calls = metrics["env/real_calls_step"]
+    assert trainer.cfg.rollout_mode == {"real-grpo": "real", "simulator": "simulator"}.get(variant, "rehearse")
+    if variant not in ("real-grpo", "envace"):
+        assert real_calls == 0  # only real rollouts (real-grpo, or envace's real_fraction) touch the world
+    assert set(trainer.models.trained()) == ({"policy", "rehearser"} if variant == "no-share" else {"policy"})
+    assert (trainer.models.simulator is not None) == (variant == "simulator")

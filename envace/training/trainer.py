@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -256,8 +257,11 @@ class Trainer:
         sums: dict[str, float] = {}
         if not any(a for r in rows for a, m in zip(r.advantages, r.loss_mask) if m):
             # No learning signal (e.g. every group had equal rewards): a step would only apply
-            # weight decay and move Adam's moments, so the weights stay as they are.
-            scheduler.step()
+            # weight decay and move Adam's moments, so the weights stay as they are. The
+            # schedule still advances so it stays aligned with the step count.
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+                scheduler.step()
             return {"trained_tokens": float(total), "skipped_update": 1.0}
         pad_id = self.tokenizer.pad_token_id
         for chunk in micro_batches(rows, cfg.micro_batch_tokens):

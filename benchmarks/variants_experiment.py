@@ -1,0 +1,94 @@
+"""The CPU experiment: every training variant from one shared SFT warm start, same seeds, then
+evaluation on held-out tasks (test split of the training worlds, and the held-out world).
+
+    python benchmarks/variants_experiment.py --config configs/cpu-experiment.yaml --out runs/experiment
+
+Writes runs/experiment/results.md (the table quoted in docs/training.md) and results.json.
+Variants: envace (shared weights, rehearse, both roles trained), act-only, real-grpo (real world),
+simulator (frozen base model answers tools), no-share (separate ACT and REHEARSE models).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import yaml
+
+from envace.config import build
+from envace.evaluation.runner import EvalConfig, run_eval
+from envace.training.sft import SFTConfig, run_sft
+from envace.training.trainer import TrainConfig, run_train
+
+VARIANTS = {
+    "envace": {},
+    "act-only": {},
+    "real-grpo": {},
+    "simulator": {},
+    "no-share": {"rehearse_layout": "isolated"},
+}
+
+
+def evaluate(model: str, out: Path, args: argparse.Namespace) -> dict[str, dict]:
+    results = {}
+    for split in ("test", "heldout"):
+        cfg = build(EvalConfig, dict(model=model, split=split, n_per_world=args.eval_per_world, difficulty=1, temperature=0.0,
+                                     max_turns=6, max_turn_tokens=96, output_dir=str(out / f"eval-{split}"), progress=False))
+        results[split] = run_eval(cfg)["overall"]
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/cpu-experiment.yaml")
+    p.add_argument("--out", default="runs/experiment")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    p.add_argument("--sft-per-world", type=int, default=8)
+    p.add_argument("--eval-per-world", type=int, default=2)
+    p.add_argument("--steps", type=int, default=None, help="override the preset's steps")
+    args = p.parse_args()
+    out = Path(args.out)
+    preset = yaml.safe_load(Path(args.config).read_text()) | ({"steps": args.steps} if args.steps else {})
+    results = json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else {}
+
+    sft_dir = out / "sft"
+    if not (sft_dir / "final" / "config.json").is_file():
+        start = time.perf_counter()
+        run_sft(build(SFTConfig, dict(n_per_world=args.sft_per_world, epochs=2, lr=1e-4, difficulty=1, output_dir=str(sft_dir), progress=False)))
+        results["sft"] = {"seconds": time.perf_counter() - start, "eval": evaluate(str(sft_dir / "final"), sft_dir, args)}
+    for variant in args.variants:
+        if variant in results:
+            continue  # finished in an earlier invocation
+        run = out / variant
+        start = time.perf_counter()
+        train = run_train(build(TrainConfig, preset | VARIANTS[variant] | dict(variant=variant, init_from=str(sft_dir / "final"),
+                                                                               output_dir=str(run), resume=run.exists(), progress=False)))
+        seconds = time.perf_counter() - start
+        results[variant] = {"seconds": seconds, "real_env_calls": train["real_env_calls"], "eval": evaluate(train["final_model"], run, args)}
+        (out / "results.json").write_text(json.dumps(results, indent=2))
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    (out / "results.md").write_text(table(results, preset, args))
+    print(table(results, preset, args))
+
+
+def table(results: dict, preset: dict, args: argparse.Namespace) -> str:
+    def cell(s: dict) -> str:
+        lo, hi = s["success_ci95"]
+        return f"{s['success_rate']:.2f} [{lo:.2f}, {hi:.2f}] (n={s['n']})"
+
+    lines = [f"Command: `python benchmarks/variants_experiment.py --config {args.config} --out {args.out}"
+             + (f" --steps {args.steps}" if args.steps else "") + "`", "",
+             f"Preset: {preset['steps']} steps x {preset['tasks_per_step']} tasks x K={preset['k']}, difficulty {preset['difficulty']}, from one shared SFT warm start.", "",
+             "| variant | success, test split [95% CI] | success, held-out world [95% CI] | tool F1 (test) | real-env calls in training | train wall time |",
+             "|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        ev = r["eval"]
+        calls = r.get("real_env_calls", "-")
+        lines.append(f"| {name} | {cell(ev['test'])} | {cell(ev['heldout'])} | {ev['test'].get('tool_f1', 0):.2f} | {calls} | {r['seconds'] / 60:.1f} min |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
