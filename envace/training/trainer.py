@@ -174,7 +174,9 @@ class Trainer:
         write_manifest(self.manifest, self.dir)
         from envace.training.logging import MetricsLogger
 
-        self.logger = MetricsLogger(self.dir, use_tensorboard=cfg.tensorboard, use_wandb=cfg.wandb, wandb_project=cfg.wandb_project, resume_step=self.step if resume_from else None, config=cfgmod.to_dict(cfg))
+        if cfg.tasks_per_step % self.accelerator.num_processes:
+            raise ConfigError(f"tasks_per_step ({cfg.tasks_per_step}) must be a multiple of the number of processes ({self.accelerator.num_processes})")
+        self.logger = None if not self.accelerator.is_main_process else MetricsLogger(self.dir, use_tensorboard=cfg.tensorboard, use_wandb=cfg.wandb, wandb_project=cfg.wandb_project, resume_step=self.step if resume_from else None, config=cfgmod.to_dict(cfg))
         self.real_env_calls = 0
 
     # ---- setup ------------------------------------------------------------------------
@@ -189,22 +191,32 @@ class Trainer:
 
     def _build_models(self) -> tuple[Models, Any]:
         cfg = self.cfg
-        policy, tok = self._load(cfg.init_from or cfg.model)
-        opt, sched = make_optimizer(policy, cfg, cfg.steps)
-        models = Models(policy, {"policy": opt}, {"policy": sched})
+        policy, tok = self._trainable(cfg.init_from or cfg.model)
+        models = Models(policy[0], {"policy": policy[1]}, {"policy": policy[2]})
         if cfg.variant == "no-share":
-            models.rehearser, _ = self._load(cfg.init_from or cfg.model)
-            models.optimizers["rehearser"], models.schedulers["rehearser"] = make_optimizer(models.rehearser, cfg, cfg.steps)
+            models.rehearser, models.optimizers["rehearser"], models.schedulers["rehearser"] = self._trainable(cfg.init_from or cfg.model)[0]
         if cfg.variant == "simulator":
             models.simulator, _ = self._load(cfg.simulator_model or cfg.model, trainable=False)
         if cfg.kl_coef > 0:
             models.reference, _ = self._load(cfg.init_from or cfg.model, trainable=False)
         return models, tok
 
+    def _trainable(self, spec: str) -> tuple[tuple[Any, Any, Any], Any]:
+        """((model, optimizer, scheduler), tokenizer). Model and optimizer go through
+        accelerate (DDP under `accelerate launch`); the scheduler does not, so it steps once
+        per training step whatever the number of processes."""
+        model, tok = self._load(spec)
+        optimizer, scheduler = make_optimizer(model, self.cfg, self.cfg.steps)
+        model, optimizer = self.accelerator.prepare(model, optimizer)
+        return (model, optimizer, scheduler), tok
+
+    def _unwrapped(self) -> dict[str, Any]:
+        return {k: self.accelerator.unwrap_model(m) for k, m in self.models.trained().items()}
+
     def _resume(self, path: Path) -> None:
         from envace.training.checkpoint import load_checkpoint
 
-        state = load_checkpoint(path, self.models.trained(), self.models.optimizers, self.models.schedulers)
+        state = load_checkpoint(path, self._unwrapped(), self.models.optimizers, self.models.schedulers)
         self.step = state.step
         self.stream = TaskStream(self.tasks, self.cfg.seed, **state.data_state["stream"])
         self.real_env_calls = state.data_state.get("real_env_calls", 0)
@@ -212,8 +224,10 @@ class Trainer:
     def _generator(self, model: Any, salt: int) -> Any:
         from envace.backends.hf import HFGenerator
 
-        # A fresh sampling seed per step: a resumed run samples what the uninterrupted run would.
-        return HFGenerator(self.accelerator.unwrap_model(model), self.tokenizer, seed=self.cfg.seed * 1_000_003 + self.step * 16 + salt)
+        # A fresh sampling seed per step (and process): a resumed run samples what the
+        # uninterrupted run would.
+        seed = self.cfg.seed * 1_000_003 + self.step * 1024 + self.accelerator.process_index * 16 + salt
+        return HFGenerator(self.accelerator.unwrap_model(model), self.tokenizer, seed=seed)
 
     # ---- one step ---------------------------------------------------------------------
     def rollout(self, tasks: list[Task]) -> list[list[Trajectory]]:
@@ -253,9 +267,12 @@ class Trainer:
         optimizer, scheduler = self.models.optimizers[name], self.models.schedulers[name]
         model.train()
         optimizer.zero_grad(set_to_none=True)
-        total = sum(sum(r.loss_mask) for r in rows)
+        total = self._global_sum(sum(sum(r.loss_mask) for r in rows))
+        # DDP averages gradients over processes: scale the denominator so the result is the
+        # token mean over every process's tokens.
+        denom = total / self.accelerator.num_processes
         sums: dict[str, float] = {}
-        if not any(a for r in rows for a, m in zip(r.advantages, r.loss_mask) if m):
+        if not self._global_sum(sum(1 for r in rows for a, m in zip(r.advantages, r.loss_mask) if m and a)):
             # No learning signal (e.g. every group had equal rewards): a step would only apply
             # weight decay and move Adam's moments, so the weights stay as they are. The
             # schedule still advances so it stays aligned with the step count.
@@ -272,7 +289,7 @@ class Trainer:
                 if self.models.reference is not None:
                     with torch.no_grad():
                         ref, _ = sequence_logprobs(self.models.reference, batch)
-                loss, m = ppo_loss(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, cfg.clip_eps, cfg.dual_clip, ref, cfg.kl_coef, roles=batch.roles, entropy=entropy, num_tokens=float(total))
+                loss, m = ppo_loss(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, cfg.clip_eps, cfg.dual_clip, ref, cfg.kl_coef, roles=batch.roles, entropy=entropy, num_tokens=float(denom))
             self.accelerator.backward(loss)
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + (v if k == "loss" or k.startswith("tokens") else v * m[_token_key(k)])
@@ -286,32 +303,48 @@ class Trainer:
         compute_rewards(self.cfg.reward, groups, tasks, Context(env=self.env))
         records = [trajectory_record(t, tr) for t, g in zip(tasks, groups) for tr in g]
         summary = summarize_records(records)
-        rollout_calls = sum(tr.real_env_calls for g in groups for tr in g)
+        rollout_calls = int(self._global_sum(sum(tr.real_env_calls for g in groups for tr in g)))
         self.real_env_calls += rollout_calls
         keys = ("success_rate", "mean_reward", "tokens_per_task", "malformed", "fidelity/exact", "fidelity/field_f1", "fidelity/calls")
         out = {k if k != "mean_reward" else "reward/mean": summary[k] for k in keys if k in summary}
         return out | {"env/real_calls_step": rollout_calls, "env/real_calls_total": self.real_env_calls}
 
+    def _global_sum(self, value: float) -> float:
+        if self.accelerator.num_processes == 1:
+            return value
+        return float(self.accelerator.reduce(torch.tensor(float(value), device=self.accelerator.device), "sum"))
+
+    def _global_means(self, metrics: dict[str, float]) -> dict[str, float]:
+        if self.accelerator.num_processes == 1:
+            return metrics
+        keys = sorted(metrics)
+        values = self.accelerator.reduce(torch.tensor([float(metrics[k]) for k in keys], device=self.accelerator.device), "mean")
+        return dict(zip(keys, values.tolist()))
+
     def train_step(self) -> dict[str, float]:
-        tasks = self.stream.take(self.cfg.tasks_per_step)
+        # Every process draws the same tasks and rolls out its own share of them.
+        tasks = self.stream.take(self.cfg.tasks_per_step)[self.accelerator.process_index :: self.accelerator.num_processes]
         groups, t_rollout = timed(lambda: self.rollout(tasks))
         metrics = self.score(tasks, groups)
         update, t_update = timed(lambda: self.update(groups))
         self.step += 1
         metrics |= update | {"time/rollout_s": t_rollout, "time/update_s": t_update, "time/rollout_share": t_rollout / max(t_rollout + t_update, 1e-9)}
-        self.logger.log(self.step, metrics)
-        self.logger.write_samples(self.step, [g[0] for g in groups[: self.cfg.samples_per_step]], self.tokenizer)
+        metrics = self._global_means(metrics)
+        if self.logger is not None:
+            self.logger.log(self.step, metrics)
+            self.logger.write_samples(self.step, [g[0] for g in groups[: self.cfg.samples_per_step]], self.tokenizer)
         if self.step % self.cfg.save_every == 0 or self.step == self.cfg.steps:
             self.save()
         return metrics
 
-    def save(self) -> Path:
+    def save(self) -> None:
         from envace.training.checkpoint import save_checkpoint
 
-        unwrapped = {k: self.accelerator.unwrap_model(m) for k, m in self.models.trained().items()}
-        return save_checkpoint(self.dir, self.step, unwrapped, self.models.optimizers, self.models.schedulers,
-                               data_state={"stream": self.stream.state(), "real_env_calls": self.real_env_calls},
-                               config=cfgmod.to_dict(self.cfg), keep_last=self.cfg.keep_last)
+        if self.accelerator.is_main_process:
+            save_checkpoint(self.dir, self.step, self._unwrapped(), self.models.optimizers, self.models.schedulers,
+                            data_state={"stream": self.stream.state(), "real_env_calls": self.real_env_calls},
+                            config=cfgmod.to_dict(self.cfg), keep_last=self.cfg.keep_last)
+        self.accelerator.wait_for_everyone()
 
     def export(self) -> Path:
         """The final policy as a loadable model directory (`final/`), merged if LoRA."""
@@ -327,19 +360,23 @@ class Trainer:
         return out
 
     def fit(self) -> dict[str, Any]:
-        bar = tqdm(total=self.cfg.steps, initial=self.step, desc="train", disable=not self.cfg.progress)
+        main = self.accelerator.is_main_process
+        bar = tqdm(total=self.cfg.steps, initial=self.step, desc="train", disable=not (self.cfg.progress and main))
         last: dict[str, float] = {}
         while self.step < self.cfg.steps:
             last = self.train_step()
             bar.update(1)
             bar.set_postfix({k: round(last[k], 3) for k in ("success_rate", "reward/mean") if k in last})
         bar.close()
-        final = self.export()
-        self.logger.close()
-        from envace.training.plots import plot_metrics
+        result = {"run_dir": str(self.dir), "final_model": str(self.dir / "final"), "plots": [], "last_metrics": last, "real_env_calls": self.real_env_calls}
+        if main:
+            from envace.training.plots import plot_metrics
 
-        plots = plot_metrics(self.dir / "metrics.jsonl", self.dir / "plots")
-        return {"run_dir": str(self.dir), "final_model": str(final), "plots": [str(p) for p in plots], "last_metrics": last, "real_env_calls": self.real_env_calls}
+            self.export()
+            self.logger.close()
+            result["plots"] = [str(p) for p in plot_metrics(self.dir / "metrics.jsonl", self.dir / "plots")]
+        self.accelerator.wait_for_everyone()
+        return result
 
 
 def _token_key(metric: str) -> str:
