@@ -71,3 +71,28 @@ def test_manifest_inherits_from_init_checkpoint(tmp_path):
 def test_bad_eval_input_fails_before_work(values, match):
     with pytest.raises(Exception, match=match):
         load_eval_tasks(build(EvalConfig, values))
+
+
+def test_eval_with_private_rehearsal_reports_cost(tokenizer):
+    from envace.backends.scripted import ScriptedGenerator
+    from envace.envs.environment import WorldEnvironment
+    from envace.evaluation.report import rehearsal_line
+    from envace.evaluation.runner import evaluate_with_rehearsal
+    from envace.rewards import Context
+    from tests.test_rehearsal import Model
+    from tests.test_rollout import counter_task
+
+    policy = Model().generator(tokenizer)
+    cfg = build(EvalConfig, {"rehearsal": "parallel", "n": 2})
+    env = WorldEnvironment()
+    groups, records, cost = evaluate_with_rehearsal(cfg, policy, env, [counter_task()], Context(env=env), None)
+    assert len(groups) == 1 and groups[0][0].mode == "real"
+    assert records[0]["reward"] == 1.0 and records[0]["real_env_calls"] == 1
+    assert cost["extra_tokens"] > 0 and cost["n"] == 2
+    line = rehearsal_line({"rehearsal": {"mode": "parallel", "n": 2, "rehearser": "m", "cost": cost}, "overall": {"n": 1}})
+    assert "extra tokens" in line
+
+
+def test_rehearsal_needs_real_mode():
+    with pytest.raises(ConfigError, match="--mode real"):
+        build(EvalConfig, {"rehearsal": "parallel", "mode": "rehearse"})

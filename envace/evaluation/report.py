@@ -44,10 +44,24 @@ def markdown_table(summary: dict[str, Any]) -> str:
     return "\n".join([head, sep, *body])
 
 
+def rehearsal_line(summary: dict[str, Any]) -> str:
+    """The cost of test-time rehearsal next to what it bought."""
+    r = summary.get("rehearsal")
+    if not r:
+        return ""
+    c, n = r["cost"], max(summary["overall"]["n"], 1)
+    return (f"Rehearsal: {r['mode']} x{r['n']} by {r['rehearser']}: {c['extra_tokens'] / n:.0f} extra tokens and "
+            f"{c['rehearsal_seconds'] / n:.1f} extra seconds per task ({c['execution_tokens'] / n:.0f} tokens, "
+            f"{c['execution_seconds'] / n:.1f} s for the committed run).")
+
+
 def write_summary(summary: dict[str, Any], out: Path) -> None:
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     title = f"# envace eval: {summary.get('model')} ({summary.get('mode')} mode, {summary.get('source')})"
-    (out / "summary.md").write_text(f"{title}\n\n{markdown_table(summary)}\n\nWall time: {summary.get('wall_seconds', 0):.1f} s\n")
+    notes = [line for line in (rehearsal_line(summary), f"Wall time: {summary.get('wall_seconds', 0):.1f} s") if line]
+    if summary.get("trained_on_eval_tasks"):
+        notes.insert(0, f"**Flagged: the model was trained on {len(summary['trained_on_eval_tasks'])} of these tasks.**")
+    (out / "summary.md").write_text(f"{title}\n\n{markdown_table(summary)}\n\n" + "\n\n".join(notes) + "\n")
 
 
 def print_summary(summary: dict[str, Any], console: Console | None = None) -> None:
@@ -58,4 +72,7 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
     for name, stats in rows(summary):
         table.add_row(name, *[_cell(stats, k, f) for k, _, f in COLUMNS])
     # Piped output (CI logs, files) would otherwise wrap at 80 columns.
-    (console or Console(width=None if sys.stdout.isatty() else 160)).print(table)
+    console = console or Console(width=None if sys.stdout.isatty() else 160)
+    console.print(table)
+    if summary.get("rehearsal"):
+        console.print(rehearsal_line(summary))

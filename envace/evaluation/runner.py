@@ -34,6 +34,12 @@ class EvalConfig:
     mode: Literal["real", "rehearse", "simulator"] = field("real", help="who answers tool calls")
     rehearse_layout: Literal["transcript", "isolated"] = field("transcript", help="rehearse in the agent's transcript or from a separate simulator prompt")
     simulator: str | None = field(None, help="frozen simulator model for --mode simulator")
+    rehearsal: Literal["none", "parallel", "sequential"] = field("none", help="test-time private rehearsal before the committed real run")
+    n: int = field(2, help="rehearsal attempts per task")
+    rehearser: str | None = field(None, help="model that rehearses (default: the acting model)")
+    memory_tokens: int = field(128, help="bound on the rehearsal memory")
+    guard: str | None = field(None, help="pre-commit rehearsal guard rule for irreversible calls: goal | no_error | module:function")
+    guard_horizon: int = field(2, help="agent turns the guard rehearses after the call")
     reward: str = field("replay", help="reward: replay | reference | judge | module:function")
     judge: str | None = field(None, help="judge model for the 'judge' reward")
     k: int = field(1, help="samples per task")
@@ -72,7 +78,13 @@ class EvalConfig:
             raise ConfigError(f"difficulty must be 1, 2 or 3, got {self.difficulty}")
         if not 0 < self.top_p <= 1 or self.temperature < 0:
             raise ConfigError("temperature must be >= 0 and top_p in (0, 1]")
-        check_models(self.model, self.simulator, self.judge, self.tokenizer)
+        if self.rehearsal != "none" and self.mode != "real":
+            raise ConfigError("--rehearsal rehearses privately, then commits in the real world: use it with --mode real")
+        if self.n < 1 or self.memory_tokens < 1 or self.guard_horizon < 0:
+            raise ConfigError("n and memory_tokens must be >= 1 and guard_horizon >= 0")
+        if self.guard is not None and self.mode != "real":
+            raise ConfigError("--guard protects real irreversible calls: use it with --mode real")
+        check_models(self.model, self.simulator, self.judge, self.tokenizer, self.rehearser)
 
     def rollout_config(self) -> RolloutConfig:
         fields = {f.name for f in dataclasses.fields(RolloutConfig)}
@@ -156,6 +168,28 @@ def open_generator(spec: str, seed: int, tokenizer: str | None = None, api_model
     return make_generator(spec, seed=seed)
 
 
+def make_guard(cfg: EvalConfig, policy: Any, env: Any) -> Any:
+    if cfg.guard is None:
+        return None
+    from envace.rehearsal import RehearsalGuard
+
+    return RehearsalGuard(policy, env, rule=cfg.guard, horizon=cfg.guard_horizon)
+
+
+def evaluate_with_rehearsal(cfg: EvalConfig, policy: Any, env: Any, tasks: list[Task], ctx: Context, guard: Any) -> tuple[list[list[Trajectory]], list[dict[str, Any]], dict[str, Any]]:
+    """N private rehearsals per task, a memory, then one committed real run per task."""
+    from envace.rehearsal import RehearsalConfig, run_with_rehearsal
+
+    if cfg.k != 1:
+        raise ConfigError("--rehearsal commits one execution per task: use --k 1")
+    rehearser = open_generator(cfg.rehearser, cfg.seed) if cfg.rehearser else None
+    config = RehearsalConfig(mode=cfg.rehearsal, n=cfg.n, execution=cfg.rollout_config(), memory_tokens=cfg.memory_tokens)
+    groups, cost = run_with_rehearsal(policy, env, tasks, config, rehearser=rehearser, progress=cfg.progress, guard=guard)
+    compute_rewards(cfg.reward, groups, tasks, ctx)
+    records = [trajectory_record(task, traj) for task, group in zip(tasks, groups) for traj in group]
+    return groups, records, cost
+
+
 def check_leakage(model: str, tasks: list[Task], allow: bool) -> list[str]:
     """Refuse to evaluate a checkpoint on tasks its data manifest says it was trained on."""
     from envace.training.manifest import overlap
@@ -182,11 +216,17 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
     simulator = open_generator(cfg.simulator, cfg.seed) if cfg.simulator else None
     judge = open_generator(cfg.judge, cfg.seed) if cfg.judge else None
     env = WorldEnvironment()
-    engine = RolloutEngine(policy, env, cfg.rollout_config(), simulator=simulator)
     out = output_dir(cfg)
     cfgmod.save(cfg, out / "config.yaml")
     started = time.perf_counter()
-    groups, records = evaluate(engine, tasks, cfg.reward, Context(env=env, judge=judge), cfg.k, cfg.progress)
+    ctx = Context(env=env, judge=judge)
+    guard = make_guard(cfg, policy, env)
+    rehearsal_cost = None
+    if cfg.rehearsal == "none":
+        engine = RolloutEngine(policy, env, cfg.rollout_config(), simulator=simulator, guard=guard)
+        groups, records = evaluate(engine, tasks, cfg.reward, ctx, cfg.k, cfg.progress)
+    else:
+        groups, records, rehearsal_cost = evaluate_with_rehearsal(cfg, policy, env, tasks, ctx, guard)
     wall = time.perf_counter() - started
     summary = {
         "model": cfg.model,
@@ -196,6 +236,8 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
         "by_world": summarize_by(records, "world", wall),
         "wall_seconds": wall,
         "trained_on_eval_tasks": leaked,
+        "rehearsal": {"mode": cfg.rehearsal, "n": cfg.n, "rehearser": cfg.rehearser or cfg.model, "cost": rehearsal_cost} if cfg.rehearsal != "none" else None,
+        "guard_events": sum(len(t.events) for g in groups for t in g),
     }
     write_trajectories(out / "trajectories.jsonl", groups)
     with (out / "records.jsonl").open("w") as f:
