@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,28 +73,25 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
 
     common = dict(tiny=cfg.tiny, seed=cfg.seed, progress=cfg.progress)
     sft = SFTConfig(model=cfg.model, n_per_world=cfg.sft_per_world, epochs=cfg.sft_epochs, lr=cfg.sft_lr, difficulty=cfg.difficulty,
-                    output_dir=str(root / "sft"), tensorboard=True, **common)
+                    output_dir=str(root / "sft"), **common)
     sft.validate()
-    # A tiny model is created inside SFT; evaluate its saved copy so before/after compare one model.
-    base_model = cfg.model
-    before = {}
-    if not cfg.tiny:
-        before = {split: stage(f"evaluate base model ({split})", lambda s=split: _evaluate(base_model, cfg, s, "real", root / f"eval-base-{s}")) for split in ("test", "heldout")}
-    sft_result = stage("warm start (SFT on real-world trajectories)", lambda: run_sft(sft))
-    warm = sft_result["final_model"]
-    if cfg.tiny:
-        before = {split: stage(f"evaluate base model ({split})", lambda s=split: _evaluate(warm, cfg, s, "real", root / f"eval-base-{s}")) for split in ("test", "heldout")}
-    after_sft = {split: stage(f"evaluate after SFT ({split})", lambda s=split: _evaluate(warm, cfg, s, "real", root / f"eval-sft-{s}")) for split in ("test",)}
+    def evaluate(name: str, model: str, mode: str = "real") -> dict[str, Any]:
+        # The test split holds the training worlds' test tasks and the held-out world's tasks.
+        return stage(f"evaluate {name}", lambda: _evaluate(model, cfg, "test", mode, root / f"eval-{name}"))
+
+    stages = {} if cfg.tiny else {"base": evaluate("base", cfg.model)}  # a tiny model has no base to evaluate
+    warm = stage("warm start (SFT on real-world trajectories)", lambda: run_sft(sft))["final_model"]
+    stages["SFT"] = evaluate("sft", warm)
     train = TrainConfig(model=cfg.model, init_from=warm, variant="envace", steps=cfg.rl_steps, tasks_per_step=cfg.rl_tasks_per_step, k=cfg.rl_k,
                         lr=cfg.rl_lr, difficulty=cfg.difficulty, max_turn_tokens=cfg.max_turn_tokens, output_dir=str(root / "train"),
                         save_every=cfg.rl_steps, **common)
     train.validate()
     train_result = stage("train with world rehearsal (role-level GRPO)", lambda: run_train(train))
     trained = train_result["final_model"]
-    after = {split: stage(f"evaluate trained model ({split})", lambda s=split: _evaluate(trained, cfg, s, "real", root / f"eval-trained-{s}")) for split in ("test", "heldout")}
-    rehearse = stage("rehearsal fidelity of the trained model", lambda: _evaluate(trained, cfg, "test", "rehearse", root / "eval-trained-rehearse"))
+    stages["SFT + rehearsal GRPO"] = evaluate("trained", trained)
+    stages["SFT + rehearsal GRPO, rehearse mode"] = evaluate("trained-rehearse", trained, "rehearse")
     summary = {
-        "before": before, "after_sft": after_sft, "after": after, "rehearse": rehearse,
+        "stages": stages,
         "train": {k: train_result[k] for k in ("run_dir", "real_env_calls", "plots")},
         "timings_s": timings, "total_s": time.perf_counter() - start, "config": cfg.__dict__,
     }
@@ -101,27 +99,41 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     return summary
 
 
-def _row(name: str, s: dict[str, Any]) -> str:
-    o = s["overall"]
-    ci = o.get("success_ci95", [0, 0])
-    fid = f"{o['fidelity/exact']:.2f} / {o['fidelity/field_f1']:.2f}" if "fidelity/exact" in o else "-"
-    return f"| {name} | {o['n']} | {o['success_rate']:.3f} [{ci[0]:.2f}, {ci[1]:.2f}] | {o.get('tool_f1', 0):.3f} | {fid} | {o['real_env_calls']} | {o['malformed']} |"
+def _pooled(summary: dict[str, Any], worlds: set[str] | None) -> str:
+    """Success over the tasks of some worlds (None = all), with its 95% CI."""
+    from envace.evaluation.metrics import wilson_interval
+
+    parts = [s for w, s in summary["by_world"].items() if worlds is None or w in worlds]
+    n = sum(s["n"] for s in parts)
+    wins = sum(s["success_rate"] * s["n"] for s in parts)
+    lo, hi = wilson_interval(wins, n)
+    return f"{wins / max(n, 1):.2f} [{lo:.2f}, {hi:.2f}] (n={n})"
 
 
 def report_markdown(summary: dict[str, Any], root: Path) -> str:
-    lines = ["# envace demo report", "", f"Model: `{summary['config']['model']}`{' (tiny random: pipeline smoke test)' if summary['config']['tiny'] else ''}. "
-             f"Total wall time {summary['total_s'] / 60:.1f} min.", "",
-             "| stage | tasks | success [95% CI] | tool F1 | fidelity exact / field F1 | real env calls | malformed |", "|---|---|---|---|---|---|---|"]
-    for label, key in (("base", "before"), ("after SFT", "after_sft"), ("after SFT + rehearsal GRPO", "after")):
-        for split, s in summary[key].items():
-            lines.append(_row(f"{label} · {split}", s))
-    lines.append(_row("trained · test · rehearse mode", summary["rehearse"]))
-    lines += ["", f"Real-environment calls during rehearsal training: **{summary['train']['real_env_calls']}** (rewards replay calls for verification only).", "",
-              "## Per world after training (test split, real world)", "", markdown_table(summary["after"]["test"]), "",
+    from envace.envs import HELDOUT_WORLDS, TRAIN_WORLDS
+
+    cfg = summary["config"]
+    lines = [
+        "# envace demo report", "",
+        f"Model: `{cfg['model']}`{' (tiny random model: a smoke test of the pipeline, not a result)' if cfg['tiny'] else ''}; "
+        f"SFT on {cfg['sft_per_world']} tasks per training world x {cfg['sft_epochs']} epochs, then {cfg['rl_steps']} GRPO steps "
+        f"({cfg['rl_tasks_per_step']} tasks x K={cfg['rl_k']}) in rehearse mode. Greedy evaluation on the test split "
+        f"(difficulty {cfg['difficulty']}). Total wall time {summary['total_s'] / 60:.1f} min.", "",
+        f"| stage | success, training worlds ({', '.join(TRAIN_WORLDS)}) | success, held-out world ({', '.join(HELDOUT_WORLDS)}) | tool F1 | fidelity exact / field F1 | real env calls | malformed |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, s in summary["stages"].items():
+        o = s["overall"]
+        fid = f"{o['fidelity/exact']:.2f} / {o['fidelity/field_f1']:.2f}" if "fidelity/exact" in o else "-"
+        lines.append(f"| {name} | {_pooled(s, set(TRAIN_WORLDS))} | {_pooled(s, set(HELDOUT_WORLDS))} | {o.get('tool_f1', 0):.2f} | {fid} | {o['real_env_calls']} | {o['malformed']} |")
+    lines += ["", f"Real-environment calls during rehearsal training: **{summary['train']['real_env_calls']}** "
+              "(the replay reward executes ACT's calls for verification only; the policy never sees those results).", "",
+              "## Per world after training (real world)", "", markdown_table(summary["stages"]["SFT + rehearsal GRPO"]), "",
               "## Stage timings", "", "| stage | seconds |", "|---|---|"]
     lines += [f"| {k} | {v:.0f} |" for k, v in summary["timings_s"].items()]
     lines += ["", "## Training curves", ""]
-    lines += [f"![{Path(p).stem}]({Path(p).relative_to(root.resolve()) if Path(p).is_absolute() else Path(p).relative_to(root)})" for p in summary["train"]["plots"]]
+    lines += [f"![{Path(p).stem}]({os.path.relpath(p, root)})" for p in summary["train"]["plots"]]
     return "\n".join(lines) + "\n"
 
 

@@ -87,9 +87,13 @@ def load_trainable(spec: str, lora_r: int, lora_alpha: int, device: Any, tiny: b
     return model, tokenizer
 
 
-def make_optimizer(model: torch.nn.Module, cfg: TrainingOptions, total_steps: int) -> tuple[torch.optim.Optimizer, Any]:
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+def make_optimizer(model: torch.nn.Module, cfg: TrainingOptions) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def make_scheduler(optimizer: Any, cfg: TrainingOptions, total_steps: int) -> Any:
+    """Linear warm-up, then constant or cosine. Build it on the optimizer that `step()` is called on
+    (after accelerate's prepare), so torch's step-order check sees the steps."""
 
     def factor(step: int) -> float:
         if step < cfg.warmup_steps:
@@ -99,7 +103,7 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainingOptions, total_steps: in
             return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
         return 1.0
 
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def micro_batches(rows: list[Row], max_tokens: int) -> Iterator[list[Row]]:

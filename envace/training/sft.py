@@ -23,7 +23,7 @@ from envace.config import ConfigError, field
 from envace.rewards import Context, replay_reward
 from envace.rollout import RolloutConfig, RolloutEngine
 from envace.training.manifest import build_manifest, write_manifest
-from envace.training.setup import TrainingOptions, check_resume, load_trainable, make_accelerator, make_optimizer, micro_batches, run_dir, seed_everything
+from envace.training.setup import TrainingOptions, check_resume, load_trainable, make_accelerator, make_optimizer, make_scheduler, micro_batches, run_dir, seed_everything
 from envace.transcript import compact_json
 from envace.types import Role, Task, Trajectory
 
@@ -118,10 +118,11 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
     rows = sft_rows(data, TRAIN_ROLES[cfg.train_roles])
     steps_per_epoch = -(-len(rows) // cfg.rows_per_step)
     total_steps = steps_per_epoch * cfg.epochs
-    optimizer, scheduler = make_optimizer(model, cfg, total_steps)
+    model, optimizer = accelerator.prepare(model, make_optimizer(model, cfg))
+    scheduler = make_scheduler(optimizer, cfg, total_steps)
     step = 0
     if resume_from is not None:
-        step = load_checkpoint(resume_from, {"policy": model}, {"policy": optimizer}, {"policy": scheduler}).step
+        step = load_checkpoint(resume_from, {"policy": accelerator.unwrap_model(model)}, {"policy": optimizer}, {"policy": scheduler}).step
     cfgmod.save(cfg, out / "config.yaml")
     manifest = build_manifest(tasks, None, sft_dropped=dropped)
     write_manifest(manifest, out)
@@ -142,11 +143,12 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
         bar.update(1)
         bar.set_postfix(loss=round(loss, 4))
         if step % cfg.save_every == 0 or step == total_steps:
-            save_checkpoint(out, step, {"policy": model}, {"policy": optimizer}, {"policy": scheduler}, data_state={"epoch": epoch}, config=cfgmod.to_dict(cfg), keep_last=cfg.keep_last)
+            save_checkpoint(out, step, {"policy": accelerator.unwrap_model(model)}, {"policy": optimizer}, {"policy": scheduler}, data_state={"epoch": epoch}, config=cfgmod.to_dict(cfg), keep_last=cfg.keep_last)
     bar.close()
     logger.close()
     final = out / "final"
-    export = model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
+    export = accelerator.unwrap_model(model)
+    export = export.merge_and_unload() if hasattr(export, "merge_and_unload") else export
     export.save_pretrained(final)
     tokenizer.save_pretrained(final)
     write_manifest(manifest, final)

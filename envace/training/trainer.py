@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ from envace.evaluation.metrics import summarize_records, trajectory_record
 from envace.rewards import REWARDS, Context, compute_rewards
 from envace.rollout import RolloutConfig, RolloutEngine
 from envace.training.manifest import build_manifest, write_manifest
-from envace.training.setup import TrainingOptions, check_resume, load_trainable, make_accelerator, make_optimizer, micro_batches, run_dir, seed_everything, timed
+from envace.training.setup import TrainingOptions, check_resume, load_trainable, make_accelerator, make_optimizer, make_scheduler, micro_batches, run_dir, seed_everything, timed
 from envace.types import Role, Task, Trajectory
 
 Variant = Literal["envace", "real-grpo", "simulator", "no-share", "act-only"]
@@ -206,9 +207,8 @@ class Trainer:
         accelerate (DDP under `accelerate launch`); the scheduler does not, so it steps once
         per training step whatever the number of processes."""
         model, tok = self._load(spec)
-        optimizer, scheduler = make_optimizer(model, self.cfg, self.cfg.steps)
-        model, optimizer = self.accelerator.prepare(model, optimizer)
-        return (model, optimizer, scheduler), tok
+        model, optimizer = self.accelerator.prepare(model, make_optimizer(model, self.cfg))
+        return (model, optimizer, make_scheduler(optimizer, self.cfg, self.cfg.steps)), tok
 
     def _unwrapped(self) -> dict[str, Any]:
         return {k: self.accelerator.unwrap_model(m) for k, m in self.models.trained().items()}
@@ -277,7 +277,7 @@ class Trainer:
             # weight decay and move Adam's moments, so the weights stay as they are. The
             # schedule still advances so it stays aligned with the step count.
             with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+                warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
                 scheduler.step()
             return {"trained_tokens": float(total), "skipped_update": 1.0}
         pad_id = self.tokenizer.pad_token_id

@@ -1,0 +1,23 @@
+import pytest
+
+from envace.config import ConfigError, build
+from envace.demo import DemoConfig, run_demo
+
+
+def test_demo_config_validation():
+    with pytest.raises(ConfigError, match="rl_k"):
+        build(DemoConfig, {"rl_k": 1})
+
+
+@pytest.mark.slow
+def test_demo_pipeline_end_to_end_on_a_tiny_model(tmp_path):
+    """The whole demo (SFT, rehearsal GRPO, evaluations, report) on a tiny random model."""
+    cfg = build(DemoConfig, dict(tiny=True, output_dir=str(tmp_path), eval_per_world=1, sft_per_world=2, sft_epochs=1,
+                                 rl_steps=1, rl_tasks_per_step=1, rl_k=2, max_turn_tokens=16, progress=False))
+    summary = run_demo(cfg)
+    assert list(summary["stages"]) == ["SFT", "SFT + rehearsal GRPO", "SFT + rehearsal GRPO, rehearse mode"]
+    report = (tmp_path / "report.md").read_text()
+    assert "| SFT + rehearsal GRPO |" in report and "held-out world (travel)" in report
+    assert summary["train"]["real_env_calls"] == 0
+    assert (tmp_path / "report.html").read_text().count("<table>") >= 2
+    assert summary["stages"]["SFT + rehearsal GRPO, rehearse mode"]["overall"]["real_env_calls"] == 0
