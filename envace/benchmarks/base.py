@@ -1,0 +1,166 @@
+"""The interface between a public benchmark and envace's engine.
+
+A `Benchmark` turns the benchmark's own data into `Task`s, builds a fresh executable world per
+task (it is an `rollout.Environment`: `make_world` + `describe`), and scores a finished
+`Trajectory` with the benchmark's own scorer. `envace eval --benchmark NAME` drives it:
+
+    bench = BENCHMARKS.get("bfcl")()
+    tasks = bench.load_tasks("test", limit=20, categories=["multi_turn_base"])
+    ... rollouts with env=bench (real mode), then for each task/trajectory:
+    trajectory.reward_details["benchmark"] = bench.rollout_record(task, world)   # before the world is dropped
+    value, details = bench.score(task, trajectory)
+    summary = bench.aggregate([{"task_id": t.id, "category": t.metadata["category"], "score": value}, ...])
+
+Task metadata keys every adapter sets (others are documented per adapter, docs/benchmarks.md):
+  benchmark            the adapter's registered name
+  category             the category `aggregate` groups by
+  needs_user_simulator True when later user turns come from a `UserSimulator`, not `user_turns`
+
+Trajectory fields the scorers read: `tool_calls` (with `user_turn`), `messages` (the readable
+chat: assistant texts), `final_answer`, `end_reason`, and `reward_details["benchmark"]` (what
+`rollout_record` returned for the rollout's world).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from typing import Any, Callable, ClassVar, Iterator, Protocol
+
+from envace.envs.base import ToolWorld, error
+from envace.registry import Registry
+from envace.types import EndReason, Task, Trajectory
+
+BENCHMARKS: Registry[type["Benchmark"]] = Registry("benchmark")
+
+
+class BenchmarkDependencyError(ImportError):
+    """A benchmark's own package is missing; the message names the pip command."""
+
+
+@contextlib.contextmanager
+def requirements(pip: str) -> Iterator[None]:
+    """Wraps a benchmark's lazy imports (envace never depends on its packages): an ImportError
+    inside becomes one that names the pip command."""
+    try:
+        yield
+    except ImportError as exc:
+        raise BenchmarkDependencyError(f"this benchmark needs packages that are not installed: {pip} ({exc})") from exc
+
+
+class UserSimulator(Protocol):
+    """Plays the user of a conversational benchmark (tau2, VitaBench).
+
+    `start` gives the first user message (appended after `task.messages`); `respond` gives the next
+    user message after the agent answered, or None when the user ends the conversation. `messages`
+    is the readable chat so far (`Trajectory.messages`: system/user/assistant/tool dicts). `world`
+    is the rollout's live world, for benchmarks whose user acts on it (tau2 telecom: the user
+    toggles settings on their phone); simulators of other benchmarks ignore it.
+    """
+
+    def start(self, task: Task, world: ToolWorld | None = None) -> str: ...
+
+    def respond(self, task: Task, messages: list[dict[str, Any]], world: ToolWorld | None = None) -> str | None: ...
+
+
+class Benchmark:
+    """Base class: subclasses implement loading, worlds, scoring and offline status."""
+
+    name: ClassVar[str] = ""
+    categories: ClassVar[tuple[str, ...]] = ()  # what load_tasks/aggregate group by (FinMCP: from the data)
+    # Set by users of conversational benchmarks; None where later user turns are replayed.
+    user_simulator: UserSimulator | None = None
+
+    def load_tasks(self, split: str = "test", limit: int | None = None, categories: list[str] | None = None) -> list[Task]:
+        raise NotImplementedError
+
+    def make_world(self, task: Task) -> ToolWorld:
+        """A fresh executable world for this task (real mode and replay)."""
+        raise NotImplementedError
+
+    def describe(self, task: Task) -> tuple[str, list[dict[str, Any]]]:
+        """(documentation for the system prompt, OpenAI tool schemas): the benchmark's own
+        instructions already live in `task.messages`, so the documentation is empty."""
+        return "", list(task.tools or [])
+
+    def score(self, task: Task, trajectory: Trajectory) -> tuple[float, dict[str, Any]]:
+        """The benchmark's own scorer: a value in [0, 1] and its details."""
+        raise NotImplementedError
+
+    def offline_status(self) -> dict[str, str]:
+        """Category -> "ok", or the reason it cannot run offline."""
+        raise NotImplementedError
+
+    def rollout_record(self, task: Task, world: ToolWorld) -> dict[str, Any]:
+        """What a real-mode rollout's world holds that scoring needs (stored by the engine in
+        `trajectory.reward_details["benchmark"]`). Most benchmarks need nothing."""
+        return {}
+
+    def aggregate(self, results: list[dict[str, Any]]) -> dict[str, Any]:
+        """Per-category accuracy and the overall over tasks. `results`: one dict per scored
+        trajectory with "category", "score" and "details" (what `score` returned; FinMCP's F1
+        summaries read it); other keys are ignored."""
+        per_category = category_accuracy(results)
+        total = sum(c["count"] for c in per_category.values())
+        overall = sum(c["accuracy"] * c["count"] for c in per_category.values()) / total if total else 0.0
+        return {"categories": per_category, "overall": overall, "weighting": "mean over tasks"}
+
+
+def category_accuracy(results: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """{category: {"accuracy": mean score, "count": n}}; repeated trials of a task all count."""
+    scores: dict[str, list[float]] = defaultdict(list)
+    for r in results:
+        scores[r["category"]].append(float(r["score"]))
+    return {c: {"accuracy": sum(v) / len(v), "count": len(v)} for c, v in sorted(scores.items())}
+
+
+def completed(trajectory: Trajectory) -> bool:
+    """Did the conversation end normally (the agent answered and no user turn was left)?
+    Hand-built trajectories (no end reason) count as complete."""
+    return trajectory.end_reason in (None, EndReason.ANSWERED)
+
+
+def assistant_texts(trajectory: Trajectory) -> list[str]:
+    """The agent's messages to the user, in order: assistant messages not followed by a tool
+    result. Falls back to the final answer for trajectories without a readable chat."""
+    msgs = trajectory.messages
+    texts = [
+        m["content"] for i, m in enumerate(msgs)
+        if m["role"] == "assistant" and m.get("content") and (i + 1 == len(msgs) or msgs[i + 1]["role"] != "tool")
+    ]
+    if not texts and trajectory.final_answer:
+        texts = [trajectory.final_answer]
+    return texts
+
+
+class UnexecutableWorld(ToolWorld):
+    """The world of tasks scored on the calls alone (BFCL single-turn, FinMCP): nothing is
+    executed, every call is answered with a NOT_EXECUTABLE error saying why."""
+
+    name = "unexecutable"
+
+    def __init__(self, reason: str):
+        self.reason = reason
+        super().__init__()
+
+    def call(self, name: str, arguments: Any) -> dict[str, Any]:
+        return error("NOT_EXECUTABLE", self.reason)
+
+
+ChatFn = Callable[[list[dict[str, str]]], str]
+
+
+def openai_chat(base_url: str, model: str, api_key: str = "EMPTY", temperature: float = 0.0, timeout: float = 120.0) -> ChatFn:
+    """A chat function (messages -> reply text) over any OpenAI-compatible server's
+    /chat/completions: what simulated users and judges call (a local server keeps runs offline)."""
+    import httpx
+
+    url = base_url.rstrip("/") + "/chat/completions"
+
+    def chat(messages: list[dict[str, str]]) -> str:
+        body = {"model": model, "messages": messages, "temperature": temperature}
+        response = httpx.post(url, json=body, headers={"Authorization": f"Bearer {api_key}"}, timeout=timeout)
+        response.raise_for_status()
+        return response.json()["choices"][0]["message"]["content"] or ""
+
+    return chat

@@ -1,0 +1,682 @@
+"""VitaBench (public part: delivery and in-store tasks), with envace's own tool worlds.
+
+The public task files (meituan-longcat/vitabench, MIT) hold each task's database (`environment`:
+stores/shops and products, orders, locations, weather, the user's history, the current time), the
+simulated user (`user_scenario`, `instructions`) and the evaluation (`expected_states[]`:
+`required_orders` and `state_rubrics`; `overall_rubrics`). The benchmark's tool code is not part
+of them: the worlds below implement its published tool set (names, arguments, behaviour) over the
+task database. Not implemented: the two holiday-calendar tools (the task data has no calendar).
+
+Scores:
+  proxy   deterministic: replay the trajectory's calls on a fresh world; its final orders, seat
+          bookings and reservations must equal the task's required ones (`proxy_score`).
+  rubric  VitaBench's own metric: an LLM judge checks every rubric against the conversation;
+          1 when all are met (`rubric_score`, with any `judge(prompt) -> str`).
+`VitaBench.score` gives the rubric score when the benchmark has a judge, else the proxy.
+
+Data directory (`load_tasks`): `data_dir`, else $ENVACE_VITABENCH_DIR, else the repository's
+`../shared/data/vitabench`. Every *.json file under it that holds a list of tasks is read, so the
+full data set (downloaded by the user) works the same; tasks of domains without a world here
+(ota, cross-domain) are reported by `offline_status` and skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections import Counter
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+from envace.benchmarks.base import BENCHMARKS, Benchmark, ChatFn, assistant_texts
+from envace.envs.base import ToolError, ToolWorld, tool
+from envace.types import Task, ToolCall, Trajectory
+
+DATA_ENV = "ENVACE_VITABENCH_DIR"
+REPO_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "vitabench"
+TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
+GREETING = "Hi! How can I help you today?"
+STOP = "###STOP###"
+# The task files spell the in-store domain several ways.
+DOMAIN_NAMES = {"delivery": "delivery", "instore": "instore", "in-store": "instore", "in-store consumption": "instore"}
+
+AGENT_PROMPT = """You are the assistant of a local-services app (food delivery, in-store services).
+Current time: {time}
+
+- Use the tools to look up anything you need; ask the user only for what the tools cannot tell you.
+- Check every argument before a call; never invent information the conversation or tools did not give.
+- Stay on the user's requests. When they are done, ask whether anything else is needed; if not, end with {stop}."""
+
+USER_PROMPT = """You are a user of a local-services app, talking to its AI assistant. Stay in character.
+
+Your profile: {profile}
+
+What you want (reveal it step by step, as a real user would, not all at once):
+{instructions}
+
+Answer only what the assistant asks, from your profile and goals; never invent other facts.
+When everything you want is done, or cannot be done, reply with only {stop}."""
+
+JUDGE_PROMPT = """You are grading an AI assistant of a local-services app against a list of rubrics.
+
+Current time: {time}
+What the user wanted: {instructions}
+
+Conversation (tool calls shown as name(arguments) -> result):
+{conversation}
+
+Rubrics:
+{rubrics}
+
+For every rubric decide from the conversation whether it is met. Answer with a JSON list only:
+[{{"rubric_idx": <index>, "justification": "<one sentence>", "meetExpectation": true or false}}, ...]"""
+
+
+def default_data_dir() -> Path | None:
+    path = os.environ.get(DATA_ENV)
+    if path:
+        return Path(path)
+    return REPO_DATA if REPO_DATA.is_dir() else None
+
+
+def _now(state: dict[str, Any]) -> datetime:
+    return datetime.strptime(state["time"], TIME_FORMAT)
+
+
+def _parse_time(value: str, name: str) -> datetime:
+    try:
+        return datetime.strptime(value, TIME_FORMAT)
+    except (TypeError, ValueError):
+        raise ToolError("INVALID_TIME", f"{name} {value!r} must have the form yyyy-mm-dd HH:MM:SS") from None
+
+
+def _distance_m(lon1: float, lat1: float, lon2: float, lat2: float) -> int:
+    """Great-circle distance in meters."""
+    p1, p2 = math.radians(lat1), math.radians(lat2)
+    dp, dl = p2 - p1, math.radians(lon2 - lon1)
+    a = math.sin(dp / 2) ** 2 + math.cos(p1) * math.cos(p2) * math.sin(dl / 2) ** 2
+    return int(2 * 6_371_000 * math.asin(math.sqrt(a)))
+
+
+def _words(text: str) -> set[str]:
+    return set(re.findall(r"\w+", text.lower()))
+
+
+def _rank(items: list[dict[str, Any]], keywords: list[str], text: Callable[[dict[str, Any]], str], top: int) -> list[dict[str, Any]]:
+    """Items ordered by how many keyword words their text contains, then by rating."""
+    wanted = _words(" ".join(keywords))
+    scored = [(len(wanted & _words(text(i))), i.get("score", 0), i) for i in items]
+    scored.sort(key=lambda s: (s[0], s[1]), reverse=True)
+    return [i for _, _, i in scored[:top]]
+
+
+def _norm(address: str) -> str:
+    return " ".join(address.lower().split())
+
+
+# ---- the worlds --------------------------------------------------------------------------------
+
+class VitaWorld(ToolWorld):
+    """Tools shared by every VitaBench domain. State: the task's `environment` plus `id_prefix`
+    (the task id: new orders are numbered <task id>T<n>, as in the benchmark)."""
+
+    name = "vitabench"
+    places_key = ""  # "stores" or "shops": the domain's businesses
+    id_digits = 2
+
+    def _places(self) -> list[dict[str, Any]]:
+        return list(self.state[self.places_key].values())
+
+    def _check_user(self, user_id: str) -> None:
+        if user_id != self.state["user_id"]:
+            raise ToolError("USER_MISMATCH", f"user {user_id!r} is not the current user")
+
+    def _new_id(self) -> str:
+        """The next free <task id>T<n> (tasks may start with orders already numbered that way)."""
+        taken = set(_entries(self.state))
+        n = 1
+        while (new := f"{self.state['id_prefix']}T{n:0{self.id_digits}d}") in taken:
+            n += 1
+        return new
+
+    def _known_locations(self) -> list[dict[str, Any]]:
+        return list(self.state.get("location", [])) + [p["location"] for p in self._places() if p.get("location")]
+
+    def _locate(self, address: str) -> dict[str, Any]:
+        """The known location with this address (exact, else one containing the other)."""
+        want = _norm(address)
+        locations = self._known_locations()
+        for match in (lambda a: a == want, lambda a: want in a or a in want):
+            found = [loc for loc in locations if want and match(_norm(loc["address"]))]
+            if found:
+                return found[0]
+        raise ToolError("ADDRESS_NOT_FOUND", f"no coordinates known for {address!r}")
+
+    def _entry(self, collection: str, key: str, entry_id: str) -> dict[str, Any]:
+        entry = self.state[collection].get(entry_id)
+        if entry is None:
+            raise ToolError("NOT_FOUND", f"{key} {entry_id!r} not found")
+        return entry
+
+    def _set_status(self, collection: str, key: str, entry_id: str, new: str, allowed_from: tuple[str, ...]) -> dict[str, Any]:
+        entry = self._entry(collection, key, entry_id)
+        if entry["status"] not in allowed_from:
+            raise ToolError("INVALID_STATUS", f"{key} {entry_id} is {entry['status']}; this needs status {' or '.join(allowed_from)}")
+        entry["status"] = new
+        entry["update_time"] = self.state["time"]
+        return entry
+
+    @tool("Distance in meters between two points given by longitude and latitude.",
+          {"longitude1": {"type": "number"}, "latitude1": {"type": "number"}, "longitude2": {"type": "number"}, "latitude2": {"type": "number"}},
+          ["longitude1", "latitude1", "longitude2", "latitude2"])
+    def longitude_latitude_to_distance(self, longitude1: float, latitude1: float, longitude2: float, latitude2: float) -> dict[str, Any]:
+        return {"distance_m": _distance_m(longitude1, latitude1, longitude2, latitude2)}
+
+    @tool("Longitude and latitude of an address.", {"address": {"type": "string"}}, ["address"])
+    def address_to_longitude_latitude(self, address: str) -> dict[str, Any]:
+        loc = self._locate(address)
+        return {"address": loc["address"], "longitude": loc["longitude"], "latitude": loc["latitude"]}
+
+    @tool("Weather at an address from date_start to date_end (yyyy-mm-dd, inclusive).",
+          {"address": {"type": "string"}, "date_start": {"type": "string"}, "date_end": {"type": "string"}},
+          ["address", "date_start", "date_end"])
+    def weather(self, address: str, date_start: str, date_end: str) -> dict[str, Any]:
+        place = _norm(address)
+        days = [w for w in self.state.get("weather", []) if _norm(w["city"].replace(" City", "")) in place and date_start <= w["datetime"] <= date_end]
+        if not days:
+            cities = sorted({w["city"] for w in self.state.get("weather", [])})
+            raise ToolError("NO_WEATHER", f"no weather for {address!r} from {date_start} to {date_end}; known cities: {', '.join(cities)}")
+        return {"weather": days}
+
+    @tool("The user's profile and history: id, home and work address, habits, preferences per scenario.")
+    def get_user_historical_behaviors(self) -> dict[str, Any]:
+        return {"user_id": self.state["user_id"], **self.state.get("user_historical_behaviors", {})}
+
+    @tool("All of the user's orders, seat bookings and reservations.")
+    def get_user_all_orders(self) -> dict[str, Any]:
+        return {k: list(self.state.get(k, {}).values()) for k in ("orders", "books", "reservations") if k in self.state}
+
+    @tool("Businesses within `range` meters of a point, nearest first.",
+          {"longitude": {"type": "number"}, "latitude": {"type": "number"}, "range": {"type": "number"}},
+          ["longitude", "latitude", "range"])
+    def get_nearby(self, longitude: float, latitude: float, range: float) -> dict[str, Any]:
+        near = []
+        for place in self._places():
+            loc = place["location"]
+            d = _distance_m(longitude, latitude, loc["longitude"], loc["latitude"])
+            if d <= range:
+                near.append({"id": place.get("store_id") or place.get("shop_id"), "name": place.get("name") or place.get("shop_name"),
+                             "distance_m": d, "address": loc["address"]})
+        return {"nearby": sorted(near, key=lambda p: p["distance_m"])}
+
+
+class DeliveryWorld(VitaWorld):
+    places_key = "stores"
+    id_digits = 2
+
+    def _store(self, store_id: str) -> dict[str, Any]:
+        store = self.state["stores"].get(store_id)
+        if store is None:
+            raise ToolError("NOT_FOUND", f"store {store_id!r} not found")
+        return store
+
+    def _products(self) -> list[dict[str, Any]]:
+        return [p for s in self._places() for p in s["products"]]
+
+    def _delivery_order(self, order_id: str) -> dict[str, Any]:
+        order = self._entry("orders", "order", order_id)
+        if order.get("order_type") != "delivery":
+            raise ToolError("NOT_FOUND", f"order {order_id!r} is not a delivery order")
+        return order
+
+    @tool("Delivery time in minutes for a distance in meters.", {"distance": {"type": "number"}}, ["distance"])
+    def delivery_distance_to_time(self, distance: float) -> dict[str, Any]:
+        return {"minutes": round(25 + int(distance) * 0.00651)}
+
+    @tool("A store's details: id, rating, address, coordinates, tags, products.", {"store_id": {"type": "string"}}, ["store_id"])
+    def get_delivery_store_info(self, store_id: str) -> dict[str, Any]:
+        return self._store(store_id)
+
+    @tool("A product's details: name, id, store, price, tags, attributes.", {"product_id": {"type": "string"}}, ["product_id"])
+    def get_delivery_product_info(self, product_id: str) -> dict[str, Any]:
+        for p in self._products():
+            if p["product_id"] == product_id:
+                return p
+        raise ToolError("NOT_FOUND", f"product {product_id!r} not found")
+
+    @tool("Search or recommend delivery stores by keywords taken from the user's request.",
+          {"keywords": {"type": "array", "items": {"type": "string"}}}, ["keywords"])
+    def delivery_store_search_recommand(self, keywords: list[str]) -> dict[str, Any]:
+        text = lambda s: " ".join([s["name"], *s["tags"], *(p["name"] for p in s["products"])])  # noqa: E731
+        return {"stores": _rank(self._places(), keywords, text, top=10)}
+
+    @tool("Search or recommend delivery products by keywords taken from the user's request.",
+          {"keywords": {"type": "array", "items": {"type": "string"}}}, ["keywords"])
+    def delivery_product_search_recommand(self, keywords: list[str]) -> dict[str, Any]:
+        text = lambda p: " ".join([p["name"], p.get("store_name", ""), *p.get("tags", [])])  # noqa: E731
+        return {"products": _rank(self._products(), keywords, text, top=20)}
+
+    @tool("Create a delivery order (unpaid) from one store: products with counts (and optional attributes, per product), "
+          "delivery address, dispatch time (when the rider leaves the store, yyyy-mm-dd HH:MM:SS, not in the past) and a note "
+          "(e.g. dietary restrictions; not for timing wishes).",
+          {"user_id": {"type": "string"}, "store_id": {"type": "string"}, "product_ids": {"type": "array", "items": {"type": "string"}},
+           "product_cnts": {"type": "array", "items": {"type": "integer"}}, "address": {"type": "string"}, "dispatch_time": {"type": "string"},
+           "attributes": {"type": "array", "items": {"type": "string"}}, "note": {"type": "string"}},
+          ["user_id", "store_id", "product_ids", "product_cnts", "address", "dispatch_time"])
+    def create_delivery_order(self, user_id: str, store_id: str, product_ids: list[str], product_cnts: list[int], address: str,
+                              dispatch_time: str, attributes: list[str] | None = None, note: str = "") -> dict[str, Any]:
+        self._check_user(user_id)
+        store = self._store(store_id)
+        catalog = {p["product_id"]: p for p in store["products"]}
+        if not product_ids or len(product_ids) != len(product_cnts) or any(c <= 0 for c in product_cnts):
+            raise ToolError("INVALID_ARGUMENTS", "give one positive count per product id")
+        missing = [p for p in product_ids if p not in catalog]
+        if missing:
+            raise ToolError("NOT_FOUND", f"store {store_id} does not sell {', '.join(missing)}")
+        dispatch = _parse_time(dispatch_time, "dispatch_time")
+        if dispatch < _now(self.state):
+            raise ToolError("INVALID_TIME", f"dispatch_time {dispatch_time} is in the past (now {self.state['time']})")
+        where = self._locate(address)
+        distance = _distance_m(where["longitude"], where["latitude"], store["location"]["longitude"], store["location"]["latitude"])
+        minutes = self.delivery_distance_to_time(distance)["minutes"]
+        attrs = list(attributes or []) + [""] * len(product_ids)
+        products = [{"product_id": p, "name": catalog[p]["name"], "price": catalog[p]["price"], "quantity": c, "attributes": a}
+                    for p, c, a in zip(product_ids, product_cnts, attrs)]
+        order = {
+            "order_id": self._new_id(), "order_type": "delivery", "user_id": user_id, "store_id": store_id, "note": note,
+            "location": {"address": address, "longitude": where["longitude"], "latitude": where["latitude"]},
+            "dispatch_time": dispatch_time, "shipping_time": minutes, "delivery_time": (dispatch + timedelta(minutes=minutes)).strftime(TIME_FORMAT),
+            "total_price": round(sum(p["price"] * p["quantity"] for p in products), 2), "create_time": self.state["time"],
+            "update_time": self.state["time"], "status": "unpaid", "products": products,
+        }
+        self.state["orders"][order["order_id"]] = order
+        return order
+
+    @tool("Pay an unpaid delivery order (after the user confirms).", {"order_id": {"type": "string"}}, ["order_id"])
+    def pay_delivery_order(self, order_id: str) -> dict[str, Any]:
+        self._delivery_order(order_id)
+        return self._set_status("orders", "order", order_id, "paid", ("unpaid",))
+
+    @tool("A delivery order's status.", {"order_id": {"type": "string"}}, ["order_id"])
+    def get_delivery_order_status(self, order_id: str) -> dict[str, Any]:
+        return {"order_id": order_id, "status": self._delivery_order(order_id)["status"]}
+
+    @tool("Cancel a delivery order (or its payment); not for orders already cancelled.", {"order_id": {"type": "string"}}, ["order_id"])
+    def cancel_delivery_order(self, order_id: str) -> dict[str, Any]:
+        self._delivery_order(order_id)
+        return self._set_status("orders", "order", order_id, "cancelled", ("unpaid", "paid", "processed", "in-progress"))
+
+    @tool("Replace a delivery order's note.", {"order_id": {"type": "string"}, "note": {"type": "string"}}, ["order_id", "note"])
+    def modify_delivery_order(self, order_id: str, note: str) -> dict[str, Any]:
+        order = self._delivery_order(order_id)
+        order["note"] = note
+        order["update_time"] = self.state["time"]
+        return order
+
+    @tool("The user's delivery orders with a given status (default unpaid).",
+          {"user_id": {"type": "string"}, "status": {"type": "string"}}, ["user_id"])
+    def search_delivery_orders(self, user_id: str, status: str = "unpaid") -> dict[str, Any]:
+        self._check_user(user_id)
+        return {"orders": [o for o in self.state["orders"].values() if o.get("order_type") == "delivery" and o["status"] == status]}
+
+    @tool("A delivery order's full details.", {"order_id": {"type": "string"}}, ["order_id"])
+    def get_delivery_order_detail(self, order_id: str) -> dict[str, Any]:
+        return self._delivery_order(order_id)
+
+
+class InstoreWorld(VitaWorld):
+    places_key = "shops"
+    id_digits = 3
+
+    def _shop(self, shop_id: str) -> dict[str, Any]:
+        shop = self.state["shops"].get(shop_id)
+        if shop is None:
+            raise ToolError("NOT_FOUND", f"shop {shop_id!r} not found")
+        return shop
+
+    def _user_entries(self, collection: str, user_id: str, key: str = "customer_id") -> list[dict[str, Any]]:
+        self._check_user(user_id)
+        return [e for e in self.state[collection].values() if e.get(key) == user_id]
+
+    def _instore_order(self, order_id: str) -> dict[str, Any]:
+        order = self._entry("orders", "order", order_id)
+        if order.get("order_type") != "instore":
+            raise ToolError("NOT_FOUND", f"order {order_id!r} is not an in-store order")
+        return order
+
+    @tool("Recommend shops for in-store services by keywords (for vague requests: no specific shop or package).",
+          {"keywords": {"type": "array", "items": {"type": "string"}}}, ["keywords"])
+    def instore_shop_search_recommend(self, keywords: list[str]) -> dict[str, Any]:
+        text = lambda s: " ".join([s["shop_name"], s.get("category", ""), *s["tags"]])  # noqa: E731
+        return {"shops": _rank(self._places(), keywords, text, top=10)}
+
+    @tool("Search or recommend in-store packages (products) by keywords.",
+          {"keywords": {"type": "array", "items": {"type": "string"}}}, ["keywords"])
+    def instore_product_search_recommend(self, keywords: list[str]) -> dict[str, Any]:
+        products = [{**p, "shop_name": s["shop_name"]} for s in self._places() for p in s["products"]]
+        text = lambda p: " ".join([p["name"], p["shop_name"], *p.get("tags", [])])  # noqa: E731
+        return {"products": _rank(products, keywords, text, top=20)}
+
+    @tool("Create an in-store order (unpaid) for one package of a shop.",
+          {"user_id": {"type": "string"}, "shop_id": {"type": "string"}, "product_id": {"type": "string"}, "quantity": {"type": "integer"}},
+          ["user_id", "shop_id", "product_id"])
+    def create_instore_product_order(self, user_id: str, shop_id: str, product_id: str, quantity: int = 1) -> dict[str, Any]:
+        self._check_user(user_id)
+        product = next((p for p in self._shop(shop_id)["products"] if p["product_id"] == product_id), None)
+        if product is None:
+            raise ToolError("NOT_FOUND", f"shop {shop_id} has no package {product_id!r}")
+        if quantity <= 0:
+            raise ToolError("INVALID_ARGUMENTS", "quantity must be positive")
+        order = {
+            "order_id": self._new_id(), "order_type": "instore", "user_id": user_id, "store_id": shop_id, "note": "", "location": None,
+            "total_price": round(product["price"] * quantity, 2), "create_time": self.state["time"], "update_time": self.state["time"],
+            "status": "unpaid", "products": [{"product_id": product_id, "name": product["name"], "price": product["price"], "quantity": quantity}],
+        }
+        self.state["orders"][order["order_id"]] = order
+        return order
+
+    @tool("Pay an unpaid in-store order (the user confirmed payment).", {"order_id": {"type": "string"}}, ["order_id"])
+    def pay_instore_order(self, order_id: str) -> dict[str, Any]:
+        self._instore_order(order_id)
+        return self._set_status("orders", "order", order_id, "paid", ("unpaid",))
+
+    @tool("Cancel an in-store order (or its payment); not for orders already cancelled.", {"order_id": {"type": "string"}}, ["order_id"])
+    def instore_cancel_order(self, order_id: str) -> dict[str, Any]:
+        self._instore_order(order_id)
+        return self._set_status("orders", "order", order_id, "cancelled", ("unpaid", "paid"))
+
+    @tool("Book seats/a table at a shop that takes bookings; unpaid while the shop charges a booking fee.",
+          {"user_id": {"type": "string"}, "shop_id": {"type": "string"}, "time": {"type": "string", "description": "yyyy-mm-dd HH:MM:SS"},
+           "customer_count": {"type": "integer"}}, ["user_id", "shop_id", "time"])
+    def instore_book(self, user_id: str, shop_id: str, time: str, customer_count: int = 1) -> dict[str, Any]:
+        self._check_user(user_id)
+        shop = self._shop(shop_id)
+        _parse_time(time, "time")
+        if not shop.get("enable_book"):
+            raise ToolError("NOT_SUPPORTED", f"shop {shop_id} does not take seat bookings")
+        if customer_count <= 0:
+            raise ToolError("INVALID_ARGUMENTS", "customer_count must be positive")
+        price = shop.get("book_price") or 0
+        book = {"book_id": self._new_id(), "shop_id": shop_id, "book_time": time, "customer_count": customer_count, "book_price": price,
+                "customer_id": user_id, "status": "unpaid" if price > 0 else "paid", "update_time": self.state["time"]}
+        self.state["books"][book["book_id"]] = book
+        return book
+
+    @tool("Pay a seat booking's fee.", {"book_id": {"type": "string"}}, ["book_id"])
+    def pay_instore_book(self, book_id: str) -> dict[str, Any]:
+        return self._set_status("books", "booking", book_id, "paid", ("unpaid",))
+
+    @tool("Cancel a seat booking.", {"book_id": {"type": "string"}}, ["book_id"])
+    def instore_cancel_book(self, book_id: str) -> dict[str, Any]:
+        return self._set_status("books", "booking", book_id, "cancelled", ("unpaid", "paid", "unconsumed"))
+
+    @tool("Reserve a service time at a shop.",
+          {"user_id": {"type": "string"}, "shop_id": {"type": "string"}, "time": {"type": "string", "description": "yyyy-mm-dd HH:MM:SS"},
+           "customer_count": {"type": "integer"}}, ["user_id", "shop_id", "time"])
+    def instore_reservation(self, user_id: str, shop_id: str, time: str, customer_count: int = 1) -> dict[str, Any]:
+        self._check_user(user_id)
+        self._shop(shop_id)
+        _parse_time(time, "time")
+        if customer_count <= 0:
+            raise ToolError("INVALID_ARGUMENTS", "customer_count must be positive")
+        reservation = {"reservation_id": self._new_id(), "shop_id": shop_id, "reservation_time": time, "customer_id": user_id,
+                       "customer_count": customer_count, "status": "unconsumed", "update_time": self.state["time"]}
+        self.state["reservations"][reservation["reservation_id"]] = reservation
+        return reservation
+
+    @tool("Change a reservation's time and, optionally, its number of customers.",
+          {"reservation_id": {"type": "string"}, "time": {"type": "string", "description": "yyyy-mm-dd HH:MM:SS"}, "customer_count": {"type": "integer"}},
+          ["reservation_id", "time"])
+    def instore_modify_reservation(self, reservation_id: str, time: str, customer_count: int | None = None) -> dict[str, Any]:
+        reservation = self._entry("reservations", "reservation", reservation_id)
+        if reservation["status"] in ("consumed", "cancelled"):
+            raise ToolError("INVALID_STATUS", f"reservation {reservation_id} is already {reservation['status']}")
+        _parse_time(time, "time")
+        reservation["reservation_time"] = time
+        if customer_count is not None:
+            reservation["customer_count"] = customer_count
+        reservation["update_time"] = self.state["time"]
+        return reservation
+
+    @tool("Cancel a reservation.", {"reservation_id": {"type": "string"}}, ["reservation_id"])
+    def instore_cancel_reservation(self, reservation_id: str) -> dict[str, Any]:
+        return self._set_status("reservations", "reservation", reservation_id, "cancelled", ("unpaid", "paid", "unconsumed"))
+
+    @tool("All of the user's in-store orders.", {"user_id": {"type": "string"}}, ["user_id"])
+    def get_instore_orders(self, user_id: str) -> dict[str, Any]:
+        return {"orders": [o for o in self._user_entries("orders", user_id, "user_id") if o.get("order_type") == "instore"]}
+
+    @tool("All of the user's reservations.", {"user_id": {"type": "string"}}, ["user_id"])
+    def get_instore_reservations(self, user_id: str) -> dict[str, Any]:
+        return {"reservations": self._user_entries("reservations", user_id)}
+
+    @tool("All of the user's seat bookings.", {"user_id": {"type": "string"}}, ["user_id"])
+    def get_instore_books(self, user_id: str) -> dict[str, Any]:
+        return {"books": self._user_entries("books", user_id)}
+
+    @tool("The user's seat bookings, or one booking when book_id is given.", {"user_id": {"type": "string"}, "book_id": {"type": "string"}}, ["user_id"])
+    def search_instore_book(self, user_id: str, book_id: str | None = None) -> dict[str, Any]:
+        return {"books": [b for b in self._user_entries("books", user_id) if book_id in (None, b["book_id"])]}
+
+    @tool("The user's reservations, or one reservation when reservation_id is given.",
+          {"user_id": {"type": "string"}, "reservation_id": {"type": "string"}}, ["user_id"])
+    def search_instore_reservation(self, user_id: str, reservation_id: str | None = None) -> dict[str, Any]:
+        return {"reservations": [r for r in self._user_entries("reservations", user_id) if reservation_id in (None, r["reservation_id"])]}
+
+
+WORLDS_BY_DOMAIN: dict[str, type[VitaWorld]] = {"delivery": DeliveryWorld, "instore": InstoreWorld}
+
+
+# ---- scoring ------------------------------------------------------------------------------------
+
+def _status_class(status: str) -> str:
+    """The task files name a committed order paid, processed, in-progress, delivered, unconsumed
+    or consumed (annotators differ); the proxy tells apart only unpaid, cancelled and committed."""
+    return status if status in ("unpaid", "cancelled") else "committed"
+
+
+def canonical(entry: dict[str, Any]) -> list[tuple]:
+    """What the proxy compares of an order, seat booking or reservation. An in-store order counts
+    as one item per product: the in-store tool orders one package at a time, while the task files
+    often list a visit's packages as one order."""
+    status = _status_class(entry.get("status", ""))
+    if "order_id" in entry:
+        lines = [(p.get("product_id"), p.get("quantity", 1)) for p in entry.get("products", [])]
+        if entry.get("order_type") == "instore":
+            return [("order", "instore", entry.get("store_id"), (line,), status) for line in lines]
+        address = _norm((entry.get("location") or {}).get("address") or "")
+        return [("order", entry.get("order_type"), entry.get("store_id"), tuple(sorted(lines, key=repr)), address, status)]
+    if "book_id" in entry:
+        return [("book", entry["shop_id"], entry.get("book_time"), entry.get("customer_count"), status)]
+    return [("reservation", entry["shop_id"], entry.get("reservation_time"), entry.get("customer_count"), status)]
+
+
+def _entries(state: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {k: e for c in ("orders", "books", "reservations") for k, e in state.get(c, {}).items()}
+
+
+def proxy_score(task: Task, final_state: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """1 when the world's orders/bookings/reservations that were created, changed, or are required
+    equal the required ones (as multisets of `canonical` forms); untouched old ones are ignored."""
+    required = task.metadata["required_orders"]
+    initial, final = _entries(task.initial_state), _entries(final_state)
+    required_ids = {r.get("order_id") or r.get("book_id") or r.get("reservation_id") for r in required}
+    relevant = [e for k, e in final.items() if k not in initial or e != initial[k] or k in required_ids]
+    want = Counter(item for e in required for item in canonical(e))
+    got = Counter(item for e in relevant for item in canonical(e))
+    details = {"required": sum(want.values()), "matched": sum((want & got).values()),
+               "missing": [list(k) for k in (want - got).elements()], "unexpected": [list(k) for k in (got - want).elements()]}
+    return (1.0 if want == got else 0.0), details
+
+
+def _format_call(call: ToolCall, observation: dict[str, Any] | None) -> str:
+    args = ", ".join(f"{k}={v!r}" for k, v in call.arguments.items())
+    return f"{call.name}({args}) -> {json.dumps(observation, ensure_ascii=False)[:1500]}"
+
+
+def conversation_text(trajectory: Trajectory) -> str:
+    """The chat for the judge: user and assistant texts and each tool call with its result."""
+    calls = iter(zip(trajectory.tool_calls, trajectory.observations + [None] * len(trajectory.tool_calls)))
+    lines = []
+    for m in trajectory.messages:
+        if m["role"] == "user":
+            lines.append(f"user: {m['content']}")
+        elif m["role"] == "assistant":
+            lines.append(f"assistant: {m['content']}")
+        elif m["role"] == "tool":
+            lines.append("tool: " + _format_call(*next(calls)))
+    if not trajectory.messages:  # hand-built trajectories: calls, then the answer
+        lines = ["tool: " + _format_call(c, o) for c, o in calls] + [f"assistant: {t}" for t in assistant_texts(trajectory)]
+    return "\n".join(lines)
+
+
+def parse_verdicts(reply: str, n: int) -> list[dict[str, Any]]:
+    """The judge's JSON list -> one verdict per rubric index (unmet where the reply says nothing)."""
+    verdicts = [{"met": False, "justification": "no verdict"} for _ in range(n)]
+    found = re.search(r"\[.*\]", reply, re.DOTALL)
+    try:
+        items = json.loads(found.group(0)) if found else []
+    except json.JSONDecodeError:
+        items = []
+    for item in items if isinstance(items, list) else []:
+        idx = item.get("rubric_idx") if isinstance(item, dict) else None
+        if isinstance(idx, int) and 0 <= idx < n:
+            verdicts[idx] = {"met": item.get("meetExpectation") is True, "justification": str(item.get("justification", ""))}
+    return verdicts
+
+
+def rubric_score(task: Task, trajectory: Trajectory, judge: Callable[[str], str]) -> tuple[float, dict[str, Any]]:
+    """VitaBench's metric: 1 when the judge finds every rubric met; details hold each verdict."""
+    rubrics = task.metadata["rubrics"]
+    prompt = JUDGE_PROMPT.format(
+        time=task.metadata["time"], instructions=task.metadata["instructions"], conversation=conversation_text(trajectory),
+        rubrics="\n".join(f"{i}. {r}" for i, r in enumerate(rubrics)),
+    )
+    verdicts = parse_verdicts(judge(prompt), len(rubrics))
+    met = sum(v["met"] for v in verdicts)
+    details = {"rubrics": [{"rubric": r, **v} for r, v in zip(rubrics, verdicts)], "rubric_fraction": met / len(rubrics) if rubrics else 1.0}
+    return (1.0 if met == len(rubrics) else 0.0), details
+
+
+# ---- tasks and the benchmark ---------------------------------------------------------------------
+
+def _rubrics(criteria: dict[str, Any]) -> list[str]:
+    """State rubrics then overall rubrics, each once (as VitaBench's judge lists them)."""
+    listed = [r for s in criteria.get("expected_states", []) for r in s.get("state_rubrics", [])] + list(criteria.get("overall_rubrics", []))
+    return list(dict.fromkeys(listed))
+
+
+def to_task(raw: dict[str, Any], domain: str) -> Task:
+    env = raw["environment"]
+    states = raw["evaluation_criteria"].get("expected_states") or [{}]
+    world = WORLDS_BY_DOMAIN[domain]
+    return Task(
+        id=f"vitabench-{domain}-{raw['id']}", world=VitaBench.name, split="test",
+        messages=[{"role": "system", "content": AGENT_PROMPT.format(time=env["time"], stop=STOP)}, {"role": "assistant", "content": GREETING}],
+        initial_state={**env, "id_prefix": str(raw["id"])}, tools=world.tool_schemas(),
+        metadata={
+            "benchmark": VitaBench.name, "category": domain, "vita_id": raw["id"], "needs_user_simulator": True, "time": env["time"],
+            "user_scenario": raw.get("user_scenario", {}), "instructions": raw.get("instructions", ""),
+            # Every expected state of the public tasks lists the same orders: the last is the final state.
+            "required_orders": states[-1].get("required_orders", []), "rubrics": _rubrics(raw["evaluation_criteria"]),
+        },
+    )
+
+
+def read_tasks(data_dir: Path) -> list[dict[str, Any]]:
+    """Every task in the JSON files under `data_dir` (files holding anything else are skipped)."""
+    tasks = []
+    for path in sorted(data_dir.rglob("*.json")):
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if isinstance(data, list) and all(isinstance(t, dict) and "environment" in t and "evaluation_criteria" in t for t in data):
+            tasks.extend(data)
+    return tasks
+
+
+@BENCHMARKS.register("vitabench")
+class VitaBench(Benchmark):
+    name = "vitabench"
+    categories = tuple(WORLDS_BY_DOMAIN)
+
+    def __init__(self, data_dir: str | Path | None = None, judge: Callable[[str], str] | None = None, user_simulator: Any = None):
+        self.data_dir = Path(data_dir) if data_dir else default_data_dir()
+        self.judge = judge
+        self.user_simulator = user_simulator
+
+    def _raw(self) -> list[dict[str, Any]]:
+        if self.data_dir is None or not self.data_dir.is_dir():
+            raise FileNotFoundError(f"VitaBench data not found: pass data_dir or set {DATA_ENV} (docs/benchmarks.md)")
+        return read_tasks(self.data_dir)
+
+    def load_tasks(self, split: str = "test", limit: int | None = None, categories: list[str] | None = None) -> list[Task]:
+        """Tasks of the given domains (default: all with a world here), `limit` per domain."""
+        wanted = categories or list(self.categories)
+        unknown = [c for c in wanted if c not in self.categories]
+        if unknown:
+            raise ValueError(f"VitaBench domains {unknown} have no world here; known: {', '.join(self.categories)}")
+        by_domain: dict[str, list[Task]] = {c: [] for c in wanted}
+        for raw in self._raw():
+            domain = DOMAIN_NAMES.get(raw.get("domain", ""))
+            if domain in by_domain and (limit is None or len(by_domain[domain]) < limit):
+                by_domain[domain].append(to_task(raw, domain))
+        return [t for c in wanted for t in by_domain[c]]
+
+    def make_world(self, task: Task) -> ToolWorld:
+        return WORLDS_BY_DOMAIN[task.metadata["category"]](task.initial_state)
+
+    def final_state(self, task: Task, trajectory: Trajectory) -> dict[str, Any]:
+        """The world after replaying the trajectory's calls (deterministic tools)."""
+        world = self.make_world(task)
+        for call in trajectory.tool_calls:
+            world.execute(call)
+        return world.state
+
+    def score(self, task: Task, trajectory: Trajectory) -> tuple[float, dict[str, Any]]:
+        proxy, proxy_details = proxy_score(task, self.final_state(task, trajectory))
+        if self.judge is None:
+            return proxy, {"metric": "proxy", "proxy": proxy_details}
+        value, details = rubric_score(task, trajectory, self.judge)
+        return value, {"metric": "rubric", **details, "proxy_score": proxy, "proxy": proxy_details}
+
+    def offline_status(self) -> dict[str, str]:
+        status = {c: "ok" for c in self.categories}
+        if self.data_dir is None or not self.data_dir.is_dir():
+            status = {c: f"needs the task files: pass data_dir or set {DATA_ENV}" for c in self.categories}
+        return {**status, "ota": "no world here: the OTA tools are not part of the public files", "cross-domain": "no world here (needs the OTA world)"}
+
+
+# ---- the simulated user ------------------------------------------------------------------------
+
+class VitaUserSimulator:
+    """Plays the task's user (profile + instructions) with any chat function, e.g.
+    `openai_chat(base_url, model)`; replies "###STOP###" to end, which returns None."""
+
+    def __init__(self, chat: ChatFn):
+        self.chat = chat
+
+    def _system(self, task: Task) -> dict[str, str]:
+        profile = json.dumps(task.metadata["user_scenario"].get("user_profile", {}), ensure_ascii=False)
+        return {"role": "system", "content": USER_PROMPT.format(profile=profile, instructions=task.metadata["instructions"], stop=STOP)}
+
+    def _reply(self, task: Task, turns: list[dict[str, str]]) -> str | None:
+        reply = self.chat([self._system(task), *turns]).strip()
+        return None if STOP in reply else reply
+
+    def start(self, task: Task, world: ToolWorld | None = None) -> str:
+        reply = self._reply(task, [{"role": "user", "content": GREETING}])
+        if reply is None:
+            raise RuntimeError(f"the simulated user ended task {task.id} before saying anything")
+        return reply
+
+    def respond(self, task: Task, messages: list[dict[str, Any]], world: ToolWorld | None = None) -> str | None:
+        """Roles flipped: the agent's texts are the simulator's input, the user's messages its own."""
+        turns = []
+        for i, m in enumerate(messages):
+            if m["role"] == "user":
+                turns.append({"role": "assistant", "content": m["content"]})
+            elif m["role"] == "assistant" and (i + 1 == len(messages) or messages[i + 1]["role"] != "tool"):
+                turns.append({"role": "user", "content": m["content"]})
+        return self._reply(task, turns)

