@@ -28,13 +28,14 @@ class DemoConfig:
     eval_per_world: int = field(2, help="held-out evaluation tasks per world")
     max_turn_tokens: int = field(96, help="tokens per ACT turn in evaluation and training")
     sft_per_world: int = field(8, help="SFT tasks per training world")
-    sft_epochs: int = field(2, help="SFT epochs")
-    sft_lr: float = field(1e-4, help="SFT learning rate")
+    sft_epochs: int = field(1, help="SFT epochs")
+    sft_lr: float = field(2e-4, help="SFT learning rate")
     rl_steps: int = field(2, help="GRPO steps with world rehearsal")
     rl_tasks_per_step: int = field(2, help="tasks per GRPO step")
     rl_k: int = field(4, help="rollouts per task")
     rl_lr: float = field(1e-5, help="GRPO learning rate")
     difficulty: int = field(1, help="task difficulty for training and evaluation")
+    eval_sft: bool = field(False, help="also evaluate the SFT checkpoint (about 2 more minutes)")
     seed: int = field(0, help="seed")
     progress: bool = field(True, help="progress bars")
 
@@ -81,7 +82,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
 
     stages = {} if cfg.tiny else {"base": evaluate("base", cfg.model)}  # a tiny model has no base to evaluate
     warm = stage("warm start (SFT on real-world trajectories)", lambda: run_sft(sft))["final_model"]
-    stages["SFT"] = evaluate("sft", warm)
+    if cfg.eval_sft:
+        stages["SFT"] = evaluate("sft", warm)
     train = TrainConfig(model=cfg.model, init_from=warm, variant="envace", steps=cfg.rl_steps, tasks_per_step=cfg.rl_tasks_per_step, k=cfg.rl_k,
                         lr=cfg.rl_lr, difficulty=cfg.difficulty, max_turn_tokens=cfg.max_turn_tokens, output_dir=str(root / "train"),
                         save_every=cfg.rl_steps, **common)

@@ -13,7 +13,7 @@ def test_demo_config_validation():
 def test_demo_pipeline_end_to_end_on_a_tiny_model(tmp_path):
     """The whole demo (SFT, rehearsal GRPO, evaluations, report) on a tiny random model."""
     cfg = build(DemoConfig, dict(tiny=True, output_dir=str(tmp_path), eval_per_world=1, sft_per_world=2, sft_epochs=1,
-                                 rl_steps=1, rl_tasks_per_step=1, rl_k=2, max_turn_tokens=16, progress=False))
+                                 rl_steps=1, rl_tasks_per_step=1, rl_k=2, max_turn_tokens=16, eval_sft=True, progress=False))
     summary = run_demo(cfg)
     assert list(summary["stages"]) == ["SFT", "SFT + rehearsal GRPO", "SFT + rehearsal GRPO, rehearse mode"]
     report = (tmp_path / "report.md").read_text()
