@@ -48,25 +48,30 @@ def main() -> None:
     p.add_argument("--sft-per-world", type=int, default=8)
     p.add_argument("--eval-per-world", type=int, default=2)
     p.add_argument("--steps", type=int, default=None, help="override the preset's steps")
+    p.add_argument("--sft-from", default=None, help="reuse this SFT model directory (e.g. runs/demo/sft/final) instead of training one")
     args = p.parse_args()
     out = Path(args.out)
     preset = yaml.safe_load(Path(args.config).read_text()) | ({"steps": args.steps} if args.steps else {})
     results = json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else {}
 
     sft_dir = out / "sft"
-    if not (sft_dir / "final" / "config.json").is_file():
+    warm = args.sft_from or str(sft_dir / "final")
+    if "sft" not in results:
         start = time.perf_counter()
-        run_sft(build(SFTConfig, dict(n_per_world=args.sft_per_world, epochs=2, lr=1e-4, difficulty=1, output_dir=str(sft_dir), progress=False)))
-        results["sft"] = {"seconds": time.perf_counter() - start, "eval": evaluate(str(sft_dir / "final"), sft_dir, args)}
+        if not args.sft_from:
+            run_sft(build(SFTConfig, dict(n_per_world=args.sft_per_world, epochs=2, lr=1e-4, difficulty=1, output_dir=str(sft_dir), progress=False)))
+        results["sft"] = {"seconds": time.perf_counter() - start, "eval": evaluate(warm, sft_dir, args)}
+        (out / "results.json").write_text(json.dumps(results, indent=2))
     for variant in args.variants:
         if variant in results:
             continue  # finished in an earlier invocation
         run = out / variant
         start = time.perf_counter()
-        train = run_train(build(TrainConfig, preset | VARIANTS[variant] | dict(variant=variant, init_from=str(sft_dir / "final"),
+        train = run_train(build(TrainConfig, preset | VARIANTS[variant] | dict(variant=variant, init_from=warm,
                                                                                output_dir=str(run), resume=run.exists(), progress=False)))
         seconds = time.perf_counter() - start
-        results[variant] = {"seconds": seconds, "real_env_calls": train["real_env_calls"], "eval": evaluate(train["final_model"], run, args)}
+        results[variant] = {"seconds": seconds, "real_env_calls": train["real_env_calls"], "eval": evaluate(train["final_model"], run, args),
+                            "last_metrics": {k: v for k, v in train["last_metrics"].items() if k.startswith(("reward", "success", "fidelity", "env/"))}}
         (out / "results.json").write_text(json.dumps(results, indent=2))
     (out / "results.json").write_text(json.dumps(results, indent=2))
     (out / "results.md").write_text(table(results, preset, args))
