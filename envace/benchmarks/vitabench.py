@@ -31,7 +31,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-from envace.benchmarks.base import BENCHMARKS, Benchmark, ChatFn, assistant_texts
+from envace.benchmarks.base import BENCHMARKS, Benchmark, ChatFn, assistant_texts, openai_chat
 from envace.envs.base import ToolError, ToolWorld, tool
 from envace.types import Task, ToolCall, Trajectory
 
@@ -606,9 +606,12 @@ class VitaBench(Benchmark):
         self.judge = judge
         self.user_simulator = user_simulator
 
+    def make_user_simulator(self, base_url: str, model: str) -> VitaUserSimulator:
+        return VitaUserSimulator(openai_chat(base_url, model))
+
     def _raw(self) -> list[dict[str, Any]]:
         if self.data_dir is None or not self.data_dir.is_dir():
-            raise FileNotFoundError(f"VitaBench data not found: pass data_dir or set {DATA_ENV} (docs/benchmarks.md)")
+            raise FileNotFoundError(f"VitaBench data not found: pass data_dir (envace eval: --data-dir) or set {DATA_ENV} (docs/benchmarks.md)")
         return read_tasks(self.data_dir)
 
     def load_tasks(self, split: str = "test", limit: int | None = None, categories: list[str] | None = None) -> list[Task]:
@@ -644,7 +647,7 @@ class VitaBench(Benchmark):
     def offline_status(self) -> dict[str, str]:
         status = {c: "ok" for c in self.categories}
         if self.data_dir is None or not self.data_dir.is_dir():
-            status = {c: f"needs the task files: pass data_dir or set {DATA_ENV}" for c in self.categories}
+            status = {c: f"needs the task files: pass data_dir (envace eval: --data-dir) or set {DATA_ENV}" for c in self.categories}
         return {**status, "ota": "no world here: the OTA tools are not part of the public files", "cross-domain": "no world here (needs the OTA world)"}
 
 

@@ -33,12 +33,17 @@ def _cell(stats: dict[str, Any], key: str, fmt: str | None) -> str:
     return fmt.format(int(value) if fmt == "{:d}" else value)
 
 
+def group_key(summary: dict[str, Any]) -> str:
+    """What the rows are: benchmark categories or worlds."""
+    return "category" if "by_category" in summary else "world"
+
+
 def rows(summary: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    return [(name, stats) for name, stats in summary.get("by_world", {}).items()] + [("overall", summary["overall"])]
+    return [(name, stats) for name, stats in summary.get(f"by_{group_key(summary)}", {}).items()] + [("overall", summary["overall"])]
 
 
 def markdown_table(summary: dict[str, Any]) -> str:
-    head = "| world | " + " | ".join(c[1] for c in COLUMNS) + " |"
+    head = f"| {group_key(summary)} | " + " | ".join(c[1] for c in COLUMNS) + " |"
     sep = "|" + "---|" * (len(COLUMNS) + 1)
     body = ["| " + " | ".join([name] + [_cell(stats, k, f) for k, _, f in COLUMNS]) + " |" for name, stats in rows(summary)]
     return "\n".join([head, sep, *body])
@@ -55,10 +60,41 @@ def rehearsal_line(summary: dict[str, Any]) -> str:
             f"{c['execution_seconds'] / n:.1f} s for the committed run).")
 
 
+def skipped_text(skipped: dict[str, str], shown: int = 4) -> str:
+    """{category: why} as "why: a, b; other why: c" (many categories share a reason; long lists
+    are cut to `shown` names and a count)."""
+    by_reason: dict[str, list[str]] = {}
+    for category, why in skipped.items():
+        by_reason.setdefault(why, []).append(category)
+
+    def names(categories: list[str]) -> str:
+        more = len(categories) - shown
+        return ", ".join(categories[:shown]) + (f" and {more} more" if more > 0 else "")
+
+    return "; ".join(f"{why}: {names(categories)}" for why, categories in by_reason.items())
+
+
+def benchmark_line(summary: dict[str, Any]) -> str:
+    """The benchmark's own overall (its weighting) and what the run left out."""
+    b = summary.get("benchmark")
+    if not b:
+        return ""
+    agg = b["aggregate"]
+    if agg is None:
+        line = f"{b['name']}: not scored by the benchmark reward, so no benchmark aggregate."
+    else:
+        groups = ", ".join(f"{g} {v:.3f}" for g, v in agg.get("groups", {}).items())
+        line = f"{b['name']} overall: {agg['overall']:.3f} ({agg['weighting']})" + (f"; groups: {groups}" if groups else "") + "."
+    left_out = [f"--limit {b['limit']} per category"] if b["limit"] is not None else []
+    if b["skipped"]:
+        left_out.append(f"not run: {skipped_text(b['skipped'])}")
+    return line + (f" Partial ({'; '.join(left_out)})." if left_out else "")
+
+
 def write_summary(summary: dict[str, Any], out: Path) -> None:
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     title = f"# envace eval: {summary.get('model')} ({summary.get('mode')} mode, {summary.get('source')})"
-    notes = [line for line in (rehearsal_line(summary), f"Wall time: {summary.get('wall_seconds', 0):.1f} s") if line]
+    notes = [line for line in (benchmark_line(summary), rehearsal_line(summary), f"Wall time: {summary.get('wall_seconds', 0):.1f} s") if line]
     if summary.get("trained_on_eval_tasks"):
         notes.insert(0, f"**Flagged: the model was trained on {len(summary['trained_on_eval_tasks'])} of these tasks.**")
     (out / "summary.md").write_text(f"{title}\n\n{markdown_table(summary)}\n\n" + "\n\n".join(notes) + "\n")
@@ -66,7 +102,7 @@ def write_summary(summary: dict[str, Any], out: Path) -> None:
 
 def print_summary(summary: dict[str, Any], console: Console | None = None) -> None:
     table = Table(title=f"{summary.get('model')} · {summary.get('mode')} mode · {summary.get('source')}")
-    table.add_column("world")
+    table.add_column(group_key(summary))
     for _, label, _ in COLUMNS:
         table.add_column(label, justify="right")
     for name, stats in rows(summary):
@@ -74,5 +110,6 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
     # Piped output (CI logs, files) would otherwise wrap at 80 columns.
     console = console or Console(width=None if sys.stdout.isatty() else 160)
     console.print(table)
-    if summary.get("rehearsal"):
-        console.print(rehearsal_line(summary))
+    for line in (benchmark_line(summary), rehearsal_line(summary)):
+        if line:
+            console.print(line, markup=False)

@@ -3,20 +3,29 @@ rehearse mode, and write per-task trajectories plus a summary (JSON + Markdown).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 
 from envace import config as cfgmod
+from envace.benchmarks import BENCHMARKS, Benchmark, BenchmarkDependencyError
 from envace.config import ConfigError, field
 from envace.evaluation.metrics import summarize_by, summarize_records, trajectory_record
 from envace.evaluation.report import print_summary, write_summary
 from envace.rewards import REWARDS, Context, compute_rewards
 from envace.rollout import RolloutConfig, RolloutEngine
 from envace.types import Task, Trajectory
+
+# What `--benchmark all` runs, in the order of the paper's table.
+ALL_BENCHMARKS = ("bfcl", "tau2", "vitabench", "finmcp")
+# The constructor keyword of the adapters that read user-supplied data (--data-dir).
+DATA_ARGUMENT = {"finmcp": "data_path", "vitabench": "data_dir"}
 
 
 @dataclass
@@ -26,11 +35,16 @@ class EvalConfig:
     api_model: str | None = field(None, help="model name sent to an OpenAI-compatible server (default: its only model)")
     worlds: list[str] = field([], help="built-in world names or module:Class (default: all worlds of the split)")
     tasks: str | None = field(None, help="JSONL task file (docs/tasks.md) instead of built-in worlds")
-    benchmark: str | None = field(None, help="benchmark name (bfcl, tau2, finmcp, vitabench, all)")
+    benchmark: str | None = field(None, help="benchmark: bfcl | tau2 | finmcp | vitabench | all (docs/benchmarks.md)")
+    categories: list[str] = field([], help="benchmark categories (default: every one that can run)")
+    bench_split: str | None = field(None, help="benchmark split (default: the published one: tau2 'base', the others 'test')")
+    data_dir: str | None = field(None, help="user-supplied benchmark data (finmcp, vitabench); with 'all', a folder holding finmcp/ and vitabench/")
+    user_model: str | None = field(None, help="the simulated user of tau2/VitaBench: an http(s) OpenAI-compatible URL, or a local model spec served on 127.0.0.1 for the run")
+    user_api_model: str | None = field(None, help="model name at the --user-model server (default: its only model)")
     split: str = field("test", help="built-in split: train | val | test | heldout")
     n_per_world: int = field(4, help="built-in tasks per world")
     difficulty: int | None = field(None, help="built-in task difficulty 1-3 (default: mixed)")
-    limit: int | None = field(None, help="evaluate at most this many tasks")
+    limit: int | None = field(None, help="evaluate at most this many tasks (per category with --benchmark)")
     mode: Literal["real", "rehearse", "simulator"] = field("real", help="who answers tool calls")
     rehearse_layout: Literal["transcript", "isolated"] = field("transcript", help="rehearse in the agent's transcript or from a separate simulator prompt")
     simulator: str | None = field(None, help="frozen simulator model for --mode simulator")
@@ -40,18 +54,18 @@ class EvalConfig:
     memory_tokens: int = field(128, help="bound on the rehearsal memory")
     guard: str | None = field(None, help="pre-commit rehearsal guard rule for irreversible calls: goal | no_error | module:function")
     guard_horizon: int = field(2, help="agent turns the guard rehearses after the call")
-    reward: str = field("replay", help="reward: replay | reference | judge | module:function")
+    reward: str | None = field(None, help="reward: replay | reference | judge | benchmark | module:function (default: benchmark with --benchmark, else replay)")
     judge: str | None = field(None, help="judge model for the 'judge' reward")
     k: int = field(1, help="samples per task")
     temperature: float = field(0.6, help="sampling temperature (0 = greedy)")
     top_p: float = field(0.95, help="nucleus sampling")
-    max_turns: int = field(8, help="ACT turns per task")
+    max_turns: int = field(8, help="ACT turns per task (tasks with their own limit per user turn, e.g. BFCL multi-turn's 20, use theirs)")
     max_turn_tokens: int = field(192, help="tokens per ACT turn")
     max_rehearse_tokens: int = field(160, help="tokens per rehearsed tool response")
     max_total_tokens: int = field(3072, help="tokens per trajectory, prompt included")
     accept_fenced_json: bool = field(False, help="also parse ```json tool calls (lenient)")
     seed: int = field(0, help="random seed (task generation and sampling)")
-    output_dir: str | None = field(None, help="where to write results (default runs/eval-<time>)")
+    output_dir: str | None = field(None, help="where to write results (default runs/eval-<time>, with --benchmark runs/bench-<time>)")
     progress: bool = field(True, help="show progress bars")
     allow_train_overlap: bool = field(False, help="evaluate even on tasks the checkpoint was trained on (flagged in the summary)")
 
@@ -65,10 +79,11 @@ class EvalConfig:
             raise ConfigError(f"split {self.split!r} must be train, val, test or heldout")
         if self.mode == "simulator" and not self.simulator:
             raise ConfigError("--mode simulator needs --simulator MODEL (the frozen simulator)")
-        if self.reward == "judge" and not self.judge:
+        if self.reward_name == "judge" and not self.judge:
             raise ConfigError("--reward judge needs --judge MODEL")
-        if self.reward not in REWARDS and ":" not in self.reward:
-            raise ConfigError(f"unknown reward {self.reward!r}; known: {', '.join(REWARDS.names())} or module:function")
+        if self.reward_name not in REWARDS and ":" not in self.reward_name:
+            raise ConfigError(f"unknown reward {self.reward_name!r}; known: {', '.join(REWARDS.names())} or module:function")
+        self._validate_benchmark()
         for name, value in (("k", self.k), ("n_per_world", self.n_per_world), ("max_turns", self.max_turns), ("max_turn_tokens", self.max_turn_tokens)):
             if value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
@@ -84,7 +99,24 @@ class EvalConfig:
             raise ConfigError("n and memory_tokens must be >= 1 and guard_horizon >= 0")
         if self.guard is not None and self.mode != "real":
             raise ConfigError("--guard protects real irreversible calls: use it with --mode real")
-        check_models(self.model, self.simulator, self.judge, self.tokenizer, self.rehearser)
+        check_models(self.model, self.simulator, self.judge, self.tokenizer, self.rehearser, self.user_model)
+
+    def _validate_benchmark(self) -> None:
+        if self.benchmark is None:
+            given = [f for f in ("categories", "bench_split", "data_dir", "user_model") if getattr(self, f)]
+            if given:
+                raise ConfigError(f"--{given[0].replace('_', '-')} goes with --benchmark")
+            return
+        if self.benchmark != "all" and self.benchmark not in BENCHMARKS:
+            raise ConfigError(f"unknown benchmark {self.benchmark!r}; known: {', '.join(BENCHMARKS.names())} or all")
+        if self.data_dir and not Path(self.data_dir).exists():
+            raise ConfigError(f"data directory {self.data_dir} does not exist")
+        if self.data_dir and self.benchmark not in (*DATA_ARGUMENT, "all"):
+            raise ConfigError(f"--data-dir is read by {', '.join(DATA_ARGUMENT)} (or all), not {self.benchmark}")
+
+    @property
+    def reward_name(self) -> str:
+        return self.reward or ("benchmark" if self.benchmark else "replay")
 
     def rollout_config(self) -> RolloutConfig:
         fields = {f.name for f in dataclasses.fields(RolloutConfig)}
@@ -185,7 +217,7 @@ def evaluate_with_rehearsal(cfg: EvalConfig, policy: Any, env: Any, tasks: list[
     rehearser = open_generator(cfg.rehearser, cfg.seed) if cfg.rehearser else None
     config = RehearsalConfig(mode=cfg.rehearsal, n=cfg.n, execution=cfg.rollout_config(), memory_tokens=cfg.memory_tokens)
     groups, cost = run_with_rehearsal(policy, env, tasks, config, rehearser=rehearser, progress=cfg.progress, guard=guard)
-    compute_rewards(cfg.reward, groups, tasks, ctx)
+    compute_rewards(cfg.reward_name, groups, tasks, ctx)
     records = [trajectory_record(task, traj) for task, group in zip(tasks, groups) for traj in group]
     return groups, records, cost
 
@@ -205,7 +237,56 @@ def check_leakage(model: str, tasks: list[Task], allow: bool) -> list[str]:
     return leaked
 
 
+@dataclass
+class Outcome:
+    """One evaluated task set: trajectories, flat records, wall time, test-time rehearsal cost."""
+
+    groups: list[list[Trajectory]]
+    records: list[dict[str, Any]]
+    wall: float
+    rehearsal_cost: dict[str, Any] | None = None
+
+
+def run_tasks(cfg: EvalConfig, policy: Any, env: Any, tasks: list[Task], simulator: Any = None, judge: Any = None, desc: str = "eval") -> Outcome:
+    """Roll out and score `tasks` in `env` as `cfg` says (with test-time rehearsal or not)."""
+    started = time.perf_counter()
+    ctx = Context(env=env, judge=judge)
+    guard = make_guard(cfg, policy, env)
+    if cfg.rehearsal == "none":
+        engine = RolloutEngine(policy, env, cfg.rollout_config(), simulator=simulator, guard=guard)
+        groups, records = evaluate(engine, tasks, cfg.reward_name, ctx, cfg.k, cfg.progress, desc)
+        return Outcome(groups, records, time.perf_counter() - started)
+    groups, records, cost = evaluate_with_rehearsal(cfg, policy, env, tasks, ctx, guard)
+    return Outcome(groups, records, time.perf_counter() - started, cost)
+
+
+def summarize_outcome(cfg: EvalConfig, outcome: Outcome, source: str, by: str, leaked: list[str]) -> dict[str, Any]:
+    groups, records, wall = outcome.groups, outcome.records, outcome.wall
+    return {
+        "model": cfg.model,
+        "mode": cfg.mode,
+        "source": source,
+        "overall": summarize_records(records, wall),
+        f"by_{by}": summarize_by(records, by, wall),
+        "wall_seconds": wall,
+        "trained_on_eval_tasks": leaked,
+        "rehearsal": {"mode": cfg.rehearsal, "n": cfg.n, "rehearser": cfg.rehearser or cfg.model, "cost": outcome.rehearsal_cost} if cfg.rehearsal != "none" else None,
+        "guard_events": sum(len(t.events) for g in groups for t in g),
+        "end_reasons": dict(Counter(r["end_reason"] for r in records)),
+    }
+
+
+def write_outcome(out: Path, outcome: Outcome, summary: dict[str, Any]) -> None:
+    write_trajectories(out / "trajectories.jsonl", outcome.groups)
+    with (out / "records.jsonl").open("w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in outcome.records)
+    write_summary(summary, out)
+    print_summary(summary)
+
+
 def run_eval(cfg: EvalConfig) -> dict[str, Any]:
+    if cfg.benchmark:
+        return run_benchmark_eval(cfg)
     from envace.envs.environment import WorldEnvironment
 
     tasks = load_eval_tasks(cfg)
@@ -215,33 +296,185 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
     policy = open_generator(cfg.model, cfg.seed, cfg.tokenizer, cfg.api_model)
     simulator = open_generator(cfg.simulator, cfg.seed) if cfg.simulator else None
     judge = open_generator(cfg.judge, cfg.seed) if cfg.judge else None
-    env = WorldEnvironment()
     out = output_dir(cfg)
     cfgmod.save(cfg, out / "config.yaml")
-    started = time.perf_counter()
-    ctx = Context(env=env, judge=judge)
-    guard = make_guard(cfg, policy, env)
-    rehearsal_cost = None
-    if cfg.rehearsal == "none":
-        engine = RolloutEngine(policy, env, cfg.rollout_config(), simulator=simulator, guard=guard)
-        groups, records = evaluate(engine, tasks, cfg.reward, ctx, cfg.k, cfg.progress)
-    else:
-        groups, records, rehearsal_cost = evaluate_with_rehearsal(cfg, policy, env, tasks, ctx, guard)
-    wall = time.perf_counter() - started
-    summary = {
-        "model": cfg.model,
-        "mode": cfg.mode,
-        "source": cfg.tasks or cfg.benchmark or f"builtin:{cfg.split}",
-        "overall": summarize_records(records, wall),
-        "by_world": summarize_by(records, "world", wall),
-        "wall_seconds": wall,
-        "trained_on_eval_tasks": leaked,
-        "rehearsal": {"mode": cfg.rehearsal, "n": cfg.n, "rehearser": cfg.rehearser or cfg.model, "cost": rehearsal_cost} if cfg.rehearsal != "none" else None,
-        "guard_events": sum(len(t.events) for g in groups for t in g),
-    }
-    write_trajectories(out / "trajectories.jsonl", groups)
-    with (out / "records.jsonl").open("w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
-    write_summary(summary, out)
-    print_summary(summary)
+    outcome = run_tasks(cfg, policy, WorldEnvironment(), tasks, simulator, judge)
+    summary = summarize_outcome(cfg, outcome, cfg.tasks or f"builtin:{cfg.split}", "world", leaked)
+    write_outcome(out, outcome, summary)
     return summary
+
+
+# ---- benchmarks -----------------------------------------------------------------------------
+
+@dataclass
+class BenchmarkPlan:
+    """One benchmark's tasks, resolved before any model loads, and what will not run and why."""
+
+    name: str
+    split: str = ""
+    bench: Benchmark | None = None
+    tasks: list[Task] = dataclasses.field(default_factory=list)
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)  # category (or the name) -> why
+
+    def partial(self, limit: int | None) -> bool:
+        """Does a score over these tasks stand for less than the whole benchmark?"""
+        return bool(self.skipped) or limit is not None
+
+
+def _benchmark(name: str, cfg: EvalConfig, within_all: bool) -> Benchmark:
+    data = Path(cfg.data_dir) / name if within_all and cfg.data_dir else cfg.data_dir
+    kwargs = {DATA_ARGUMENT[name]: data} if name in DATA_ARGUMENT and data and Path(data).exists() else {}
+    return BENCHMARKS.get(name)(**kwargs)
+
+
+def _cannot_run(tasks: list[Task], cfg: EvalConfig) -> str | None:
+    """Why tasks that need a service or the real world cannot run with this configuration."""
+    meta = [t.metadata for t in tasks]
+    if any(m.get("needs_user_simulator") for m in meta) and not cfg.user_model:
+        return "needs a simulated user (an LLM): pass --user-model URL or a local model spec"
+    if any(m.get("user_uses_world") for m in meta) and (cfg.mode != "real" or cfg.rehearsal != "none"):
+        return "the simulated user acts on the real world (their phone): only --mode real without --rehearsal"
+    return None
+
+
+def _selections(name: str, bench: Benchmark, cfg: EvalConfig, strict: bool, skipped: dict[str, str]) -> list[tuple[str, list[str] | None]]:
+    """(label, `load_tasks` categories) to load: one per category, or, where the categories come
+    from the data (FinMCP), the whole set filtered by --categories. Within `all`, --categories
+    picks each benchmark's own; the categories left out are noted in `skipped`."""
+    if not bench.categories:
+        return [(name, cfg.categories or None)]
+    wanted = (cfg.categories or list(bench.categories)) if strict else [c for c in bench.categories if not cfg.categories or c in cfg.categories]
+    skipped.update({c: "not in --categories" for c in bench.categories if c not in wanted})
+    if not wanted:
+        skipped[name] = "none of its categories is in --categories"
+    return [(c, [c]) for c in wanted]
+
+
+def plan_benchmark(name: str, cfg: EvalConfig, strict: bool) -> BenchmarkPlan:
+    """Load the tasks of every category that can run. `strict` (a named benchmark): a requested
+    category that cannot run is an error; otherwise (`all`) it is skipped with the reason."""
+    plan = BenchmarkPlan(name)
+
+    def refuse(what: str, why: str) -> None:
+        if strict:
+            raise ConfigError(f"{name if what == name else f'{name} {what}'}: {why}")
+        plan.skipped[what] = why
+
+    try:
+        bench = _benchmark(name, cfg, within_all=not strict)
+        plan.bench, plan.split = bench, cfg.bench_split or bench.default_split
+        status = bench.offline_status()
+        plan.skipped.update({c: f"cannot run offline: {why}" for c, why in status.items() if why != "ok" and c not in cfg.categories})
+        for label, categories in _selections(name, bench, cfg, strict, plan.skipped):
+            why = status.get(label, status.get(name, "ok"))
+            if why != "ok":
+                refuse(label, f"cannot run offline: {why}")
+                continue
+            tasks = bench.load_tasks(plan.split, cfg.limit, categories)
+            why = _cannot_run(tasks, cfg) or (None if tasks else "no tasks (check --categories, --bench-split and the data)")
+            if why:
+                refuse(label, why)
+            else:
+                plan.tasks.extend(tasks)
+    except ConfigError:
+        raise
+    except (BenchmarkDependencyError, FileNotFoundError, ValueError) as exc:
+        # A missing package or data set, or a category or split the adapter does not know.
+        refuse(name, str(exc))
+    return plan
+
+
+def plan_benchmarks(cfg: EvalConfig) -> list[BenchmarkPlan]:
+    if cfg.benchmark != "all":
+        plans = [plan_benchmark(cfg.benchmark, cfg, strict=True)]
+    else:
+        plans = [plan_benchmark(name, cfg, strict=False) for name in ALL_BENCHMARKS]
+    if not any(p.tasks for p in plans):
+        reasons = "; ".join(f"{w}: {why}" for p in plans for w, why in p.skipped.items())
+        raise ConfigError(f"no benchmark task can run ({reasons})")
+    return plans
+
+
+def served_model_name(url: str, name: str | None) -> str:
+    """The model to request at an OpenAI-compatible server: `name`, checked, else its only model."""
+    from envace.backends.openai_http import OpenAIGenerator
+
+    server = OpenAIGenerator(url, name, tokenizer=None)
+    server.check_reachable()
+    return server.model
+
+
+@contextlib.contextmanager
+def user_model_endpoint(cfg: EvalConfig) -> Iterator[tuple[str, str]]:
+    """(base URL, model name) of the simulated user's LLM for the run. tau2's simulator calls it
+    through litellm, i.e. over HTTP, so a local spec is served by envace's own server on a free
+    127.0.0.1 port until the run ends (one generation at a time; no tool calls)."""
+    if is_url(cfg.user_model):
+        yield cfg.user_model, served_model_name(cfg.user_model, cfg.user_api_model)
+        return
+    from envace.backends.hf import HFGenerator
+    from envace.backends.models import load_model
+    from envace.backends.server import CompletionService, make_server
+
+    model, tokenizer = load_model(cfg.user_model)
+    server = make_server(CompletionService(HFGenerator(model, tokenizer, seed=cfg.seed), cfg.user_model), "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1", cfg.user_model
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def benchmark_results(tasks: list[Task], outcome: Outcome) -> list[dict[str, Any]]:
+    """What `Benchmark.aggregate` reads: one row per trajectory."""
+    return [{"task_id": t.id, "category": t.metadata["category"], "score": traj.reward or 0.0, "details": traj.reward_details}
+            for t, group in zip(tasks, outcome.groups) for traj in group]
+
+
+def run_benchmark(cfg: EvalConfig, plan: BenchmarkPlan, policy: Any, out: Path, simulator: Any = None, judge: Any = None,
+                  user: tuple[str, str] | None = None, leaked: list[str] | None = None) -> dict[str, Any]:
+    """Evaluate one planned benchmark; its summary holds the benchmark's own `aggregate`."""
+    bench = plan.bench
+    if user is not None:
+        bench.user_simulator = bench.make_user_simulator(*user)
+    outcome = run_tasks(cfg, policy, bench, plan.tasks, simulator, judge, desc=plan.name)
+    category = {t.id: t.metadata["category"] for t in plan.tasks}
+    for record in outcome.records:
+        record["category"] = category[record["task_id"]]
+    leaked = [i for i in leaked or [] if i in category]
+    summary = summarize_outcome(cfg, outcome, f"benchmark:{plan.name} ({plan.split})", "category", leaked)
+    # The benchmark weights its own scores; any other reward's values are not its scores.
+    aggregate = bench.aggregate(benchmark_results(plan.tasks, outcome)) if cfg.reward_name == "benchmark" else None
+    summary["benchmark"] = {"name": plan.name, "split": plan.split, "aggregate": aggregate, "skipped": plan.skipped,
+                            "limit": cfg.limit, "partial": plan.partial(cfg.limit)}
+    out.mkdir(parents=True, exist_ok=True)
+    write_outcome(out, outcome, summary)
+    return summary
+
+
+def run_benchmark_eval(cfg: EvalConfig, policy: Any = None) -> dict[str, Any]:
+    """`envace eval --benchmark NAME|all`: every check before the models load; `all` also writes
+    the paper-shaped table (benchmark_table.md/.json). `policy` replaces `cfg.model` (tests)."""
+    from envace.evaluation.benchmark_table import benchmark_table, write_table
+
+    plans = plan_benchmarks(cfg)
+    tasks = [t for p in plans for t in p.tasks]
+    leaked = check_leakage(cfg.model, tasks, cfg.allow_train_overlap)
+    needs_user = any(t.metadata.get("needs_user_simulator") for t in tasks)
+    # Entered first: an unreachable user-model URL fails before the policy loads.
+    with user_model_endpoint(cfg) if needs_user else contextlib.nullcontext() as user:
+        policy = policy or open_generator(cfg.model, cfg.seed, cfg.tokenizer, cfg.api_model)
+        simulator = open_generator(cfg.simulator, cfg.seed) if cfg.simulator else None
+        judge = open_generator(cfg.judge, cfg.seed) if cfg.judge else None
+        out = output_dir(cfg, "bench")
+        cfgmod.save(cfg, out / "config.yaml")
+        summaries = {
+            p.name: run_benchmark(cfg, p, policy, out if cfg.benchmark != "all" else out / p.name, simulator, judge, user, leaked)
+            for p in plans if p.tasks
+        }
+    if cfg.benchmark != "all":
+        return summaries[cfg.benchmark]
+    table = benchmark_table(cfg, plans, summaries)
+    write_table(table, out)
+    return table
