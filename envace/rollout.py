@@ -20,6 +20,7 @@ generation (the backend keeps the KV cache): the prefix is never encoded again.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -89,6 +90,13 @@ class RolloutConfig:
     top_p: float = 1.0
     accept_fenced_json: bool = False  # see parsing.parse_act
     grounding: bool = False  # isolated prompt shows the task's reference (call, true result) pairs
+
+
+def rollout_config_from(options: Any, **overrides: Any) -> RolloutConfig:
+    """The RolloutConfig fields of a command's config (eval, train) plus overrides."""
+    names = {f.name for f in dataclasses.fields(RolloutConfig)}
+    values = {name: getattr(options, name) for name in names if hasattr(options, name)}
+    return RolloutConfig(**(values | overrides))
 
 
 @dataclass

@@ -19,7 +19,7 @@ from envace.config import ConfigError, field
 from envace.evaluation.metrics import summarize_by, summarize_records, trajectory_record
 from envace.evaluation.report import print_summary, write_summary
 from envace.rewards import REWARDS, Context, compute_rewards
-from envace.rollout import RolloutConfig, RolloutEngine
+from envace.rollout import RolloutConfig, RolloutEngine, rollout_config_from
 from envace.types import Task, Trajectory
 
 # What `--benchmark all` runs, in the order of the paper's table.
@@ -119,8 +119,7 @@ class EvalConfig:
         return self.reward or ("benchmark" if self.benchmark else "replay")
 
     def rollout_config(self) -> RolloutConfig:
-        fields = {f.name for f in dataclasses.fields(RolloutConfig)}
-        return RolloutConfig(**{k: v for k, v in dataclasses.asdict(self).items() if k in fields})
+        return rollout_config_from(self)
 
 
 def load_eval_tasks(cfg: EvalConfig) -> list[Task]:

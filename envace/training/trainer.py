@@ -13,7 +13,6 @@ One step, top to bottom:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 import re
@@ -31,7 +30,7 @@ from envace.algorithms.losses import TRAINED_ROLES, build_rows, collate, ppo_los
 from envace.config import ConfigError, field
 from envace.evaluation.metrics import summarize_records, trajectory_record
 from envace.rewards import REWARDS, Context, compute_rewards
-from envace.rollout import RolloutConfig, RolloutEngine
+from envace.rollout import RolloutConfig, RolloutEngine, rollout_config_from
 from envace.training.manifest import build_manifest, write_manifest
 from envace.training.setup import TrainingOptions, check_resume, load_trainable, make_accelerator, make_optimizer, make_scheduler, micro_batches, run_dir, seed_everything, timed
 from envace.types import Role, Task, Trajectory
@@ -97,9 +96,7 @@ class TrainConfig(TrainingOptions):
         return {"real-grpo": "real", "simulator": "simulator"}.get(self.variant, "rehearse")
 
     def rollout_config(self, mode: str) -> RolloutConfig:
-        names = {f.name for f in dataclasses.fields(RolloutConfig)}
-        values = {k: v for k, v in dataclasses.asdict(self).items() if k in names}
-        return RolloutConfig(**{**values, "mode": mode})
+        return rollout_config_from(self, mode=mode)
 
 
 def load_train_tasks(cfg: TrainConfig) -> list[Task]:
