@@ -19,7 +19,7 @@ class Role(enum.IntEnum):
     ACT = 1  # agent's assistant turn, sampled by the policy
     REHEARSE = 2  # tool response written by the policy playing the environment
     ENV = 3  # tool response forced from a real world or an external simulator (never trained)
-    USER = 4  # user turns after the first (replayed or simulated; never trained)
+    USER = 4  # user messages written into the transcript during rollout (replayed or simulated; never trained)
 
 
 SAMPLED_ROLES = (Role.ACT, Role.REHEARSE)
