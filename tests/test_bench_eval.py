@@ -5,6 +5,7 @@ stand in for the model (one slow test runs the real default model)."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -128,6 +129,8 @@ def test_all_writes_one_paper_shaped_table(tmp_path, tokenizer, monkeypatch):
     sample = {"id": "f1", "messages": [{"role": "user", "content": "AAPL price?"}], "tools": [{"name": "get_quote", "parameters": {"type": "object", "properties": {}}}],
               "reference_tool_calls": [{"name": "get_quote", "arguments": {}}]}
     (data / "finmcp" / "samples.jsonl").write_text(json.dumps(sample) + "\n")
+    # VitaBench data from the test fixtures, so no default location (../shared) is consulted.
+    shutil.copytree(Path(__file__).parent / "fixtures" / "vitabench", data / "vitabench")
     cfg = config(tmp_path, benchmark="all", limit=1, data_dir=str(data), categories=["multi_turn_base", "irrelevance", "airline", "telecom_solo", "delivery", "finmcp"])
     table = run_benchmark_eval(cfg, ScriptedGenerator(tokenizer, lambda _: "I cannot help with that."))
     bfcl, tau2, vita, overall, finmcp = (table["columns"][c] for c in ("BFCL-v4", "tau2-bench", "VitaBench", "overall", "FinMCP F1"))
