@@ -26,10 +26,14 @@ def test_eval_runs_the_default_model_on_every_world(tmp_path, mode, capsys):
     assert "overall" in capsys.readouterr().out
 
 
-def test_train_one_rehearsal_step_on_the_default_model(tmp_path):
-    code = main(["train", "--steps", "1", "--tasks-per-step", "1", "--k", "2", "--max-turns", "2", "--max-turn-tokens", "24",
-                 "--max-rehearse-tokens", "24", "--no-progress", "--no-tensorboard", "--output-dir", str(tmp_path)])
+@pytest.mark.parametrize("variant", ["envace", "act-only", "real-grpo", "simulator", "no-share"])
+def test_every_variant_trains_a_step_on_the_default_model(tmp_path, variant):
+    layout = ["--rehearse-layout", "isolated"] if variant == "no-share" else []
+    code = main(["train", "--variant", variant, *layout, "--steps", "1", "--tasks-per-step", "1", "--k", "2", "--max-turns", "2",
+                 "--max-turn-tokens", "24", "--max-rehearse-tokens", "24", "--no-progress", "--no-tensorboard", "--output-dir", str(tmp_path)])
     assert code == 0
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert metrics[-1]["step"] == 1 and metrics[-1]["env/real_calls_total"] == 0
+    assert metrics[-1]["step"] == 1
+    if variant != "real-grpo":
+        assert metrics[-1]["env/real_calls_total"] == 0
     assert (tmp_path / "final" / "model.safetensors").is_file()
