@@ -51,7 +51,7 @@ def _evaluate(model: str, cfg: DemoConfig, split: str, mode: str, out: Path) -> 
     from envace.evaluation.runner import EvalConfig, run_eval
 
     ecfg = EvalConfig(model=model, split=split, n_per_world=cfg.eval_per_world, difficulty=cfg.difficulty, mode=mode, max_turns=6,
-                      max_turn_tokens=cfg.max_turn_tokens, max_rehearse_tokens=64, temperature=0.0, seed=cfg.seed, output_dir=str(out), progress=cfg.progress)
+                      max_turn_tokens=cfg.max_turn_tokens, max_rehearse_tokens=128, temperature=0.0, seed=cfg.seed, output_dir=str(out), progress=cfg.progress)
     ecfg.validate()
     return run_eval(ecfg)
 
@@ -85,7 +85,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     if cfg.eval_sft:
         stages["SFT"] = evaluate("sft", warm)
     train = TrainConfig(model=cfg.model, init_from=warm, variant="envace", steps=cfg.rl_steps, tasks_per_step=cfg.rl_tasks_per_step, k=cfg.rl_k,
-                        lr=cfg.rl_lr, difficulty=cfg.difficulty, max_turn_tokens=cfg.max_turn_tokens, max_rehearse_tokens=64, output_dir=str(root / "train"),
+                        lr=cfg.rl_lr, difficulty=cfg.difficulty, max_turn_tokens=cfg.max_turn_tokens, max_rehearse_tokens=128, output_dir=str(root / "train"),
                         save_every=cfg.rl_steps, **common)
     train.validate()
     train_result = stage("train with world rehearsal (role-level GRPO)", lambda: run_train(train))
