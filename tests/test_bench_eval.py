@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+
+from tests.stub_openai import stub_openai
 
 from envace.backends.scripted import ScriptedGenerator
 from envace.config import ConfigError, build
@@ -148,42 +148,10 @@ def test_all_writes_one_paper_shaped_table(tmp_path, tokenizer, monkeypatch):
     assert (out / "bfcl" / "summary.json").is_file() and (out / "tau2" / "summary.json").is_file()
 
 
-class UserServer(BaseHTTPRequestHandler):
-    """An OpenAI-compatible server whose one model plays a customer: one request, then ###STOP###."""
-
-    replies: list[str] = []
-
-    def do_GET(self):  # noqa: N802 (http.server's naming)
-        self._send({"object": "list", "data": [{"id": "customer", "object": "model"}]})
-
-    def do_POST(self):  # noqa: N802
-        self.rfile.read(int(self.headers["Content-Length"]))
-        reply = type(self).replies.pop(0)
-        self._send({"id": "x", "object": "chat.completion", "model": "customer",
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": reply}, "finish_reason": "stop"}]})
-
-    def _send(self, payload):
-        data = json.dumps(payload).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
-
-
 def test_a_user_model_url_plays_the_benchmarks_user(tmp_path, tokenizer):
-    server = ThreadingHTTPServer(("127.0.0.1", 0), UserServer)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    UserServer.replies = ["I would like to order lunch.", "###STOP###"]
-    try:
-        cfg = config(tmp_path, benchmark="vitabench", data_dir=str(VITA_FIXTURES), categories=["delivery"], limit=1,
-                     user_model=f"http://127.0.0.1:{server.server_address[1]}/v1")
+    with stub_openai([{"content": "I would like to order lunch."}, {"content": "###STOP###"}]) as (url, _):
+        cfg = config(tmp_path, benchmark="vitabench", data_dir=str(VITA_FIXTURES), categories=["delivery"], limit=1, user_model=url)
         summary = run_benchmark_eval(cfg, ScriptedGenerator(tokenizer, lambda _: "Sorry, I cannot order that."))
-    finally:
-        server.shutdown()
     [traj] = [json.loads(line) for line in (tmp_path / "out" / "trajectories.jsonl").read_text().splitlines()]
     assert [m["role"] for m in traj["messages"]] == ["system", "assistant", "user", "assistant"]
     assert traj["messages"][2]["content"] == "I would like to order lunch." and traj["end_reason"] == "answered"

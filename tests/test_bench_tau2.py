@@ -4,12 +4,10 @@ OpenAI-compatible server."""
 
 from __future__ import annotations
 
-import json
-import threading
-import time
-from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
+
+from tests.stub_openai import stub_openai
 
 # litellm's pydantic types warn at import; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:.*`ReadOnly` qualifier:UserWarning")
@@ -108,57 +106,26 @@ def test_aggregate_is_mean_over_domains(bench):
     assert summary["overall"] == pytest.approx(0.75) and summary["categories"]["airline"]["count"] == 2
 
 
-class StubOpenAI(BaseHTTPRequestHandler):
-    """/v1/chat/completions answering from a queue of canned assistant messages."""
-
-    replies: list[dict] = []
-    requests: list[dict] = []
-
-    def do_POST(self):  # noqa: N802 (http.server's naming)
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        type(self).requests.append(body)
-        message = type(self).replies.pop(0)
-        payload = {"id": "x", "object": "chat.completion", "created": int(time.time()), "model": body["model"],
-                   "choices": [{"index": 0, "message": {"role": "assistant", **message}, "finish_reason": "stop"}],
-                   "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
-        data = json.dumps(payload).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
-
-
-@pytest.fixture()
-def stub_server():
-    server = HTTPServer(("127.0.0.1", 0), StubOpenAI)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
-    server.shutdown()
-    thread.join()
-
-
-def test_user_simulator_uses_tau2_user_and_the_world(bench, tasks, stub_server):
+def test_user_simulator_uses_tau2_user_and_the_world(bench, tasks):
     task = tasks["telecom"][0]
     world = bench.make_world(task)
     tool_call = {"id": "c1", "type": "function", "function": {"name": "check_status_bar", "arguments": "{}"}}
-    StubOpenAI.replies = [{"content": None, "tool_calls": [tool_call]}, {"content": "My phone shows no signal."}, {"content": "###STOP###"}]
-    StubOpenAI.requests = []
-    sim = Tau2UserSimulator(model="stub-user", base_url=stub_server)
+    replies = [{"content": None, "tool_calls": [tool_call]}, {"content": "My phone shows no signal."}, {"content": "###STOP###"}]
+    with stub_openai(replies) as (url, requests):
+        check_user_simulator(bench, task, world, Tau2UserSimulator(model="stub-user", base_url=url), requests)
+
+
+def check_user_simulator(bench, task, world, sim, requests):
 
     first = sim.start(task, world)
     assert first == "My phone shows no signal."
     assert [(e["requestor"], e["name"], e["user_turn"]) for e in world.log] == [("user", "check_status_bar", 0)]
-    assert StubOpenAI.requests[0]["model"] == "stub-user" and StubOpenAI.requests[0]["tools"]
-    assert "<scenario>" in StubOpenAI.requests[0]["messages"][0]["content"]
+    assert requests[0]["model"] == "stub-user" and requests[0]["tools"]
+    assert "<scenario>" in requests[0]["messages"][0]["content"]
 
     chat = [*task.messages, {"role": "user", "content": first}, {"role": "assistant", "content": "Please restart your phone."}]
     assert sim.respond(task, chat, world) is None  # the user ends the conversation
-    seen = [m["role"] for m in StubOpenAI.requests[-1]["messages"]]
+    seen = [m["role"] for m in requests[-1]["messages"]]
     # system, greeting (as user), own tool call + result, own message, the agent's answer
     assert seen == ["system", "user", "assistant", "tool", "assistant", "user"]
     assert bench.rollout_record(task, world)["tool_log"][0]["name"] == "check_status_bar"

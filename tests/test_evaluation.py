@@ -74,7 +74,6 @@ def test_bad_eval_input_fails_before_work(values, match):
 
 
 def test_eval_with_private_rehearsal_reports_cost(tokenizer):
-    from envace.backends.scripted import ScriptedGenerator
     from envace.envs.environment import WorldEnvironment
     from envace.evaluation.report import rehearsal_line
     from envace.evaluation.runner import evaluate_with_rehearsal

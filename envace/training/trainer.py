@@ -33,7 +33,7 @@ from envace.rewards import REWARDS, Context, compute_rewards
 from envace.rollout import RolloutConfig, RolloutEngine, rollout_config_from
 from envace.training.manifest import build_manifest, write_manifest
 from envace.training.setup import TrainingOptions, check_resume, load_trainable, make_accelerator, make_optimizer, make_scheduler, micro_batches, run_dir, seed_everything, timed
-from envace.types import Role, Task, Trajectory
+from envace.types import Task, Trajectory
 
 Variant = Literal["envace", "real-grpo", "simulator", "no-share", "act-only"]
 
