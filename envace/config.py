@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import time
 import types
 import typing
 from pathlib import Path
@@ -117,6 +118,13 @@ def from_namespace(cls: type[C], ns: argparse.Namespace) -> C:
 
 def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
+
+
+def run_dir(output_dir: str | None, prefix: str) -> Path:
+    """The command's output folder: the given one, else runs/<prefix>-<time>; created."""
+    path = Path(output_dir) if output_dir else Path("runs") / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def save(cfg: Any, path: Path) -> None:

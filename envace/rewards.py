@@ -61,7 +61,8 @@ def replay_reward(task: Task, traj: Trajectory, ctx: Context) -> tuple[float, di
     return value, details
 
 
-def _f1(tp: int, n_pred: int, n_ref: int) -> tuple[float, float, float]:
+def prf(tp: int, n_pred: int, n_ref: int) -> tuple[float, float, float]:
+    """Precision, recall, F1 from counts; two empty sides agree perfectly (1, 1, 1)."""
     if n_pred == 0 and n_ref == 0:
         return 1.0, 1.0, 1.0
     p = tp / n_pred if n_pred else 0.0
@@ -77,7 +78,7 @@ def _canonical(call: dict[str, Any] | ToolCall) -> str:
 def multiset_f1(predicted: list[str], reference: list[str]) -> tuple[float, float, float]:
     """Precision/recall/F1 of two multisets of strings."""
     tp = sum((Counter(predicted) & Counter(reference)).values())
-    return _f1(tp, len(predicted), len(reference))
+    return prf(tp, len(predicted), len(reference))
 
 
 @REWARDS.register("reference")

@@ -33,6 +33,7 @@ from typing import Any, Iterable
 
 from envace.benchmarks.base import BENCHMARKS, Benchmark, UnexecutableWorld, category_accuracy
 from envace.envs.base import ToolWorld
+from envace.rewards import prf
 from envace.types import Task, ToolCall, Trajectory
 
 DATA_ENV = "ENVACE_FINMCP_PATH"
@@ -44,17 +45,8 @@ def call_name(call: ToolCall | dict[str, Any]) -> str:
     return call["function"]["name"] if "function" in call else call["name"]
 
 
-def _ratio(num: int, den: int, other: int) -> float:
-    """num/den; with den = 0: 1 when the other side is empty too, else 0 (see module doc)."""
-    if den:
-        return num / den
-    return 1.0 if other == 0 else 0.0
-
-
 def _prf(tp: int, n_pred: int, n_ref: int) -> dict[str, float]:
-    precision = _ratio(tp, n_pred, n_ref)
-    recall = _ratio(tp, n_ref, n_pred)
-    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+    precision, recall, f1 = prf(tp, n_pred, n_ref)
     return {"precision": precision, "recall": recall, "f1": f1}
 
 

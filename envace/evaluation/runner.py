@@ -136,12 +136,6 @@ def load_eval_tasks(cfg: EvalConfig) -> list[Task]:
     return tasks[: cfg.limit] if cfg.limit else tasks
 
 
-def output_dir(cfg: EvalConfig, prefix: str = "eval") -> Path:
-    path = Path(cfg.output_dir) if cfg.output_dir else Path("runs") / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 def evaluate(engine: RolloutEngine, tasks: list[Task], reward: str, ctx: Context, k: int = 1, progress: bool = True, desc: str = "eval") -> tuple[list[list[Trajectory]], list[dict[str, Any]]]:
     """Roll out, score, and flatten to records. Shared by `envace eval`, training validation and the demo."""
     groups = engine.run(tasks, k=k, progress=progress, desc=desc)
@@ -295,7 +289,7 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
     policy = open_generator(cfg.model, cfg.seed, cfg.tokenizer, cfg.api_model)
     simulator = open_generator(cfg.simulator, cfg.seed) if cfg.simulator else None
     judge = open_generator(cfg.judge, cfg.seed) if cfg.judge else None
-    out = output_dir(cfg)
+    out = cfgmod.run_dir(cfg.output_dir, "eval")
     cfgmod.save(cfg, out / "config.yaml")
     outcome = run_tasks(cfg, policy, WorldEnvironment(), tasks, simulator, judge)
     summary = summarize_outcome(cfg, outcome, cfg.tasks or f"builtin:{cfg.split}", "world", leaked)
@@ -466,7 +460,7 @@ def run_benchmark_eval(cfg: EvalConfig, policy: Any = None) -> dict[str, Any]:
         policy = policy or open_generator(cfg.model, cfg.seed, cfg.tokenizer, cfg.api_model)
         simulator = open_generator(cfg.simulator, cfg.seed) if cfg.simulator else None
         judge = open_generator(cfg.judge, cfg.seed) if cfg.judge else None
-        out = output_dir(cfg, "bench")
+        out = cfgmod.run_dir(cfg.output_dir, "bench")
         cfgmod.save(cfg, out / "config.yaml")
         summaries = {
             p.name: run_benchmark(cfg, p, policy, out if cfg.benchmark != "all" else out / p.name, simulator, judge, user, leaked)

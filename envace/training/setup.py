@@ -120,12 +120,6 @@ def micro_batches(rows: list[Row], max_tokens: int) -> Iterator[list[Row]]:
         yield batch
 
 
-def run_dir(output_dir: str | None, prefix: str) -> Path:
-    path = Path(output_dir) if output_dir else Path("runs") / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 def check_resume(path: Path, cfg: Any, resume: bool) -> Path | None:
     """The checkpoint to resume from. A run dir that already has checkpoints must be resumed
     explicitly, and with the same config, so that nothing is silently overwritten or mixed."""

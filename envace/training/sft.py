@@ -19,11 +19,11 @@ from tqdm.auto import tqdm
 from envace import config as cfgmod
 from envace.algorithms.losses import Row, collate, sequence_logprobs
 from envace.backends.scripted import ScriptedGenerator, sequence_reply
-from envace.config import ConfigError, field
+from envace.config import ConfigError, field, run_dir
 from envace.rewards import Context, replay_reward
 from envace.rollout import RolloutConfig, RolloutEngine
 from envace.training.manifest import build_manifest, write_manifest
-from envace.training.setup import TrainingOptions, check_resume, load_trainable, make_accelerator, make_optimizer, make_scheduler, micro_batches, run_dir, seed_everything
+from envace.training.setup import TrainingOptions, check_resume, load_trainable, make_accelerator, make_optimizer, make_scheduler, micro_batches, seed_everything
 from envace.transcript import compact_json
 from envace.types import Role, Task, Trajectory
 

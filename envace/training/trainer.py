@@ -27,12 +27,12 @@ from tqdm.auto import tqdm
 from envace import config as cfgmod
 from envace.algorithms import ADVANTAGES, group_metrics
 from envace.algorithms.losses import TRAINED_ROLES, build_rows, collate, ppo_loss, sequence_logprobs
-from envace.config import ConfigError, field
+from envace.config import ConfigError, field, run_dir
 from envace.evaluation.metrics import summarize_records, trajectory_record
 from envace.rewards import REWARDS, Context, compute_rewards
 from envace.rollout import RolloutConfig, RolloutEngine, rollout_config_from
 from envace.training.manifest import build_manifest, write_manifest
-from envace.training.setup import TrainingOptions, check_resume, load_trainable, make_accelerator, make_optimizer, make_scheduler, micro_batches, run_dir, seed_everything, timed
+from envace.training.setup import TrainingOptions, check_resume, load_trainable, make_accelerator, make_optimizer, make_scheduler, micro_batches, seed_everything, timed
 from envace.types import Task, Trajectory
 
 Variant = Literal["envace", "real-grpo", "simulator", "no-share", "act-only"]
