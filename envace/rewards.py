@@ -41,6 +41,19 @@ class Context:
 
         return Transcript(self.judge.tokenizer)
 
+    def judge_reply(self, prompt: str, max_new_tokens: int) -> str:
+        """The judge's greedy answer to one user message (through any Generator backend)."""
+        if self.judge is None:
+            raise ValueError("this reward needs a judge model (--judge MODEL or URL)")
+        ids = self.judge_transcript.prompt([{"role": "user", "content": prompt}], "", []).token_ids
+        (session,) = self.judge.open(1)
+        eos = self.judge.tokenizer.eos_token_id
+        try:
+            (out,) = self.judge.generate([session], [ids], SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=(eos,) if eos is not None else ()))
+        finally:
+            self.judge.close([session])
+        return out.text
+
 
 RewardFn = Callable[[Task, Trajectory, Context], "tuple[float, dict[str, Any]]"]
 REWARDS: Registry[RewardFn] = Registry("reward")
@@ -141,13 +154,9 @@ def judge_reward(task: Task, traj: Trajectory, ctx: Context) -> tuple[float, dic
         raise ValueError("the 'judge' reward needs a judge model (--judge MODEL or URL)")
     if not task.checklist:
         raise ValueError(f"task {task.id} has no checklist; the 'judge' reward needs one")
-    prompt = ctx.judge_transcript.prompt([{"role": "user", "content": judge_prompt(task, traj)}], "", [])
-    (session,) = ctx.judge.open(1)
-    eos = ctx.judge.tokenizer.eos_token_id
-    (out,) = ctx.judge.generate([session], [prompt.token_ids], SamplingParams(max_new_tokens=16 * len(task.checklist) + 32, temperature=0.0, stop_token_ids=(eos,) if eos is not None else ()))
-    ctx.judge.close([session])
-    verdicts = parse_verdicts(out.text, len(task.checklist))
-    return score_checklist(task.checklist, verdicts), {"verdicts": verdicts, "judge_output": out.text}
+    text = ctx.judge_reply(judge_prompt(task, traj), max_new_tokens=16 * len(task.checklist) + 32)
+    verdicts = parse_verdicts(text, len(task.checklist))
+    return score_checklist(task.checklist, verdicts), {"verdicts": verdicts, "judge_output": text}
 
 
 def compute_rewards(reward_name: str, groups: list[list[Trajectory]], tasks: list[Task], ctx: Context) -> None:

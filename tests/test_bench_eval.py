@@ -35,6 +35,8 @@ def config(tmp_path, **values) -> EvalConfig:
     ({"benchmark": "bfcl", "data_dir": "."}, "--data-dir is read by finmcp, vitabench"),
     ({"categories": ["airline"]}, "--categories goes with --benchmark"),
     ({"benchmark": "finmcp", "data_dir": "/no/such/dir"}, "does not exist"),
+    ({"benchmark": "bfcl", "judge": "http://127.0.0.1:9/v1"}, "--judge is read by --reward judge and by the LLM-judged benchmarks \\(vitabench"),
+    ({"judge": "http://127.0.0.1:9/v1"}, "here it would be unused"),
 ])
 def test_bad_benchmark_options_fail_at_validation(values, match):
     with pytest.raises(ConfigError, match=match):
@@ -155,7 +157,31 @@ def test_a_user_model_url_plays_the_benchmarks_user(tmp_path, tokenizer):
     [traj] = [json.loads(line) for line in (tmp_path / "out" / "trajectories.jsonl").read_text().splitlines()]
     assert [m["role"] for m in traj["messages"]] == ["system", "assistant", "user", "assistant"]
     assert traj["messages"][2]["content"] == "I would like to order lunch." and traj["end_reason"] == "answered"
-    assert summary["benchmark"]["aggregate"]["categories"]["delivery"] == {"accuracy": 0.0, "count": 1}  # nothing ordered
+    aggregate = summary["benchmark"]["aggregate"]
+    assert aggregate["categories"]["delivery"] == {"accuracy": 0.0, "count": 1} and aggregate["metric"] == "proxy"  # nothing ordered
+
+
+def test_judge_flag_scores_vitabench_by_its_rubrics(tmp_path, tokenizer, monkeypatch):
+    """`--judge MODEL` becomes VitaBench's rubric judge: its greedy reply to the rubric prompt decides."""
+    import envace.evaluation.runner as runner
+    from tests.test_bench_vitabench import judge_reply
+
+    prompts = []
+
+    def judge_text(prompt: str) -> str:
+        prompts.append(prompt)
+        return judge_reply([True] * 20)  # more verdicts than rubrics: the extra ones are ignored
+
+    judge = ScriptedGenerator(tokenizer, judge_text)
+    monkeypatch.setattr(runner, "open_generator", lambda spec, *a, **k: judge)
+    with stub_openai([{"content": "Lunch, please."}, {"content": "###STOP###"}]) as (url, _):
+        cfg = config(tmp_path, benchmark="vitabench", data_dir=str(VITA_FIXTURES), categories=["delivery"], limit=1, user_model=url, judge="http://judge/v1")
+        summary = run_benchmark_eval(cfg, ScriptedGenerator(tokenizer, lambda _: "Sorry, I cannot order that."))
+    [traj] = [json.loads(line) for line in (tmp_path / "out" / "trajectories.jsonl").read_text().splitlines()]
+    aggregate = summary["benchmark"]["aggregate"]
+    assert aggregate["categories"]["delivery"] == {"accuracy": 1.0, "count": 1} and aggregate["metric"] == "rubric"  # the judge said all met
+    assert traj["reward_details"]["metric"] == "rubric" and traj["reward_details"]["proxy_score"] == 0.0
+    assert "Sorry, I cannot order that." in prompts[-1] and "Rubric" in prompts[-1]
 
 
 @pytest.mark.slow

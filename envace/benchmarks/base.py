@@ -59,6 +59,11 @@ class Benchmark:
     default_split: ClassVar[str] = "test"  # the split published results use
     # Set by users of conversational benchmarks; None where later user turns are replayed.
     user_simulator: UserSimulator | None = None
+    # Benchmarks scored by an LLM judge (VitaBench's rubrics) take `judge(prompt) -> reply`;
+    # `envace eval --judge MODEL` sets it from any backend, with at most `judge_tokens` per reply.
+    uses_judge: ClassVar[bool] = False
+    judge_tokens: ClassVar[int] = 0
+    judge: Callable[[str], str] | None = None
 
     def load_tasks(self, split: str = "test", limit: int | None = None, categories: list[str] | None = None) -> list[Task]:
         raise NotImplementedError

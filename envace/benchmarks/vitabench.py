@@ -600,6 +600,8 @@ def read_tasks(data_dir: Path) -> list[dict[str, Any]]:
 class VitaBench(Benchmark):
     name = "vitabench"
     categories = tuple(WORLDS_BY_DOMAIN)
+    uses_judge = True
+    judge_tokens = 1024  # a JSON verdict with a justification for each of up to ~10 rubrics
 
     def __init__(self, data_dir: str | Path | None = None, judge: Callable[[str], str] | None = None, user_simulator: Any = None):
         self.data_dir = Path(data_dir) if data_dir else default_data_dir()
@@ -643,6 +645,12 @@ class VitaBench(Benchmark):
             return proxy, {"metric": "proxy", "proxy": proxy_details}
         value, details = rubric_score(task, trajectory, self.judge)
         return value, {"metric": "rubric", **details, "proxy_score": proxy, "proxy": proxy_details}
+
+    def aggregate(self, results: list[dict[str, Any]]) -> dict[str, Any]:
+        """Mean over tasks, naming the metric behind it (proxy, or rubric with a judge)."""
+        summary = super().aggregate(results)
+        metric = "/".join(sorted({r["details"].get("metric", "proxy") for r in results})) or "proxy"
+        return {**summary, "metric": metric, "weighting": f"mean over tasks of the {metric} score"}
 
     def offline_status(self) -> dict[str, str]:
         status = {c: "ok" for c in self.categories}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import threading
 import time
@@ -55,7 +56,7 @@ class EvalConfig:
     guard: str | None = field(None, help="pre-commit rehearsal guard rule for irreversible calls: goal | no_error | module:function")
     guard_horizon: int = field(2, help="agent turns the guard rehearses after the call")
     reward: str | None = field(None, help="reward: replay | reference | judge | benchmark | module:function (default: benchmark with --benchmark, else replay)")
-    judge: str | None = field(None, help="judge model for the 'judge' reward")
+    judge: str | None = field(None, help="judge model (local spec or URL): for the 'judge' reward, and for the rubric score of benchmarks judged by an LLM (VitaBench)")
     k: int = field(1, help="samples per task")
     temperature: float = field(0.6, help="sampling temperature (0 = greedy)")
     top_p: float = field(0.95, help="nucleus sampling")
@@ -84,6 +85,10 @@ class EvalConfig:
         if self.reward_name not in REWARDS and ":" not in self.reward_name:
             raise ConfigError(f"unknown reward {self.reward_name!r}; known: {', '.join(REWARDS.names())} or module:function")
         self._validate_benchmark()
+        judged = [name for name in BENCHMARKS.names() if BENCHMARKS.get(name).uses_judge]
+        if self.judge and self.reward_name != "judge" and self.benchmark not in (*judged, "all"):
+            raise ConfigError(f"--judge is read by --reward judge and by the LLM-judged benchmarks ({', '.join(judged)}, or all); "
+                              f"here it would be unused: add --reward judge or drop --judge")
         for name, value in (("k", self.k), ("n_per_world", self.n_per_world), ("max_turns", self.max_turns), ("max_turn_tokens", self.max_turn_tokens)):
             if value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
@@ -431,6 +436,8 @@ def run_benchmark(cfg: EvalConfig, plan: BenchmarkPlan, policy: Any, out: Path, 
     bench = plan.bench
     if user is not None:
         bench.user_simulator = bench.make_user_simulator(*user)
+    if judge is not None and bench.uses_judge:
+        bench.judge = functools.partial(Context(env=bench, judge=judge).judge_reply, max_new_tokens=bench.judge_tokens)
     outcome = run_tasks(cfg, policy, bench, plan.tasks, simulator, judge, desc=plan.name)
     category = {t.id: t.metadata["category"] for t in plan.tasks}
     for record in outcome.records:
