@@ -3,7 +3,9 @@ evaluation on held-out tasks (test split of the training worlds, and the held-ou
 
     python benchmarks/variants_experiment.py --config configs/cpu-experiment.yaml --out runs/experiment
 
-Writes runs/experiment/results.md (the table quoted in docs/training.md) and results.json.
+Writes runs/experiment/results.md (the table quoted in docs/training.md) and results.json; rerun
+the same command to continue after an interruption (finished rows are kept, a variant resumes from
+its last checkpoint). Rows: the untrained model, the SFT warm start, then one per variant.
 Variants: envace (shared weights, rehearse, both roles trained), act-only, real-grpo (real world),
 simulator (frozen base model answers tools), no-share (separate ACT and REHEARSE models).
 """
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -54,13 +58,18 @@ def main() -> None:
     preset = yaml.safe_load(Path(args.config).read_text()) | ({"steps": args.steps} if args.steps else {})
     results = json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else {}
 
+    if "base" not in results:  # the untrained model, on the same evaluation tasks
+        results["base"] = {"seconds": 0.0, "real_env_calls": 0, "eval": evaluate("default", out / "base", args)}
+        (out / "results.json").write_text(json.dumps(results, indent=2))
     sft_dir = out / "sft"
     warm = args.sft_from or str(sft_dir / "final")
     if "sft" not in results:
         start = time.perf_counter()
+        sft = {"real_env_calls": "reused", "seconds": None}
         if not args.sft_from:
-            run_sft(build(SFTConfig, dict(n_per_world=args.sft_per_world, epochs=2, lr=1e-4, difficulty=1, output_dir=str(sft_dir), progress=False)))
-        results["sft"] = {"seconds": time.perf_counter() - start, "eval": evaluate(warm, sft_dir, args)}
+            done = run_sft(build(SFTConfig, dict(n_per_world=args.sft_per_world, epochs=1, rows_per_step=8, lr=2e-4, difficulty=1, output_dir=str(sft_dir), progress=False)))
+            sft = {"real_env_calls": done["real_env_calls"], "seconds": time.perf_counter() - start}
+        results["sft"] = sft | {"eval": evaluate(warm, sft_dir, args)}
         (out / "results.json").write_text(json.dumps(results, indent=2))
     for variant in args.variants:
         if variant in results:
@@ -83,15 +92,15 @@ def table(results: dict, preset: dict, args: argparse.Namespace) -> str:
         lo, hi = s["success_ci95"]
         return f"{s['success_rate']:.2f} [{lo:.2f}, {hi:.2f}] (n={s['n']})"
 
-    lines = [f"Command: `python benchmarks/variants_experiment.py --config {args.config} --out {args.out}"
-             + (f" --steps {args.steps}" if args.steps else "") + "`", "",
+    lines = [f"Command: `python benchmarks/variants_experiment.py {shlex.join(sys.argv[1:])}`", "",
              f"Preset: {preset['steps']} steps x {preset['tasks_per_step']} tasks x K={preset['k']}, difficulty {preset['difficulty']}, from one shared SFT warm start.", "",
              "| variant | success, test split [95% CI] | success, held-out world [95% CI] | tool F1 (test) | real-env calls in training | train wall time |",
              "|---|---|---|---|---|---|"]
     for name, r in results.items():
         ev = r["eval"]
         calls = r.get("real_env_calls", "-")
-        lines.append(f"| {name} | {cell(ev['test'])} | {cell(ev['heldout'])} | {ev['test'].get('tool_f1', 0):.2f} | {calls} | {r['seconds'] / 60:.1f} min |")
+        wall = f"{r['seconds'] / 60:.1f} min" if r.get("seconds") is not None else "reused"
+        lines.append(f"| {name} | {cell(ev['test'])} | {cell(ev['heldout'])} | {ev['test'].get('tool_f1', 0):.2f} | {calls} | {wall} |")
     return "\n".join(lines) + "\n"
 
 

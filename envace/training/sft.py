@@ -153,6 +153,8 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
     tokenizer.save_pretrained(final)
     write_manifest(manifest, final)
     plot_metrics(out / "metrics.jsonl", out / "plots")
-    result = {"run_dir": str(out), "final_model": str(final), "examples": len(rows), "dropped": dropped, "steps": total_steps}
+    # The warm start's data come from the real world: count its calls as the RL variants count theirs.
+    result = {"run_dir": str(out), "final_model": str(final), "examples": len(rows), "dropped": dropped, "steps": total_steps,
+              "real_env_calls": sum(len(t.tool_calls) for t in data)}
     print(json.dumps(result, indent=2))
     return result
