@@ -30,6 +30,7 @@ class DemoConfig:
     sft_per_world: int = field(8, help="SFT tasks per training world")
     sft_epochs: int = field(1, help="SFT epochs")
     sft_lr: float = field(2e-4, help="SFT learning rate")
+    sft_rows_per_step: int = field(4, help="trajectories per SFT step (4: twice the updates of 8 for the same compute)")
     rl_steps: int = field(2, help="GRPO steps with world rehearsal")
     rl_tasks_per_step: int = field(2, help="tasks per GRPO step")
     rl_k: int = field(4, help="rollouts per task")
@@ -40,7 +41,7 @@ class DemoConfig:
     progress: bool = field(True, help="progress bars")
 
     def validate(self) -> None:
-        for name in ("eval_per_world", "sft_per_world", "sft_epochs", "rl_steps", "rl_tasks_per_step"):
+        for name in ("eval_per_world", "sft_per_world", "sft_epochs", "sft_rows_per_step", "rl_steps", "rl_tasks_per_step"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
         if self.rl_k < 2:
@@ -73,7 +74,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         return result
 
     common = dict(tiny=cfg.tiny, seed=cfg.seed, progress=cfg.progress)
-    sft = SFTConfig(model=cfg.model, n_per_world=cfg.sft_per_world, epochs=cfg.sft_epochs, lr=cfg.sft_lr, difficulty=cfg.difficulty,
+    sft = SFTConfig(model=cfg.model, n_per_world=cfg.sft_per_world, epochs=cfg.sft_epochs, lr=cfg.sft_lr, rows_per_step=cfg.sft_rows_per_step, difficulty=cfg.difficulty,
                     output_dir=str(root / "sft"), **common)
     sft.validate()
     def evaluate(name: str, model: str, mode: str = "real") -> dict[str, Any]:

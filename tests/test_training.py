@@ -175,6 +175,40 @@ def test_killed_run_resumes_from_last_checkpoint(tmp_path, task_file):
     assert steps == sorted(set(steps)) and steps[-1] == 3
 
 
+def distributed(nproc: int, *args: str, timeout: int = 600) -> str:
+    """Run tests/ddp_worker.py in `nproc` processes (torch's launcher, gloo on CPU); its stdout."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), os.path.join(root, "tests", "ddp_worker.py"), *args]
+    env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1")
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_two_process_sft_reaches_the_weights_of_one_process(tmp_path, task_file):
+    """Under DDP each process trains on its share of a step's rows and the token mean is over
+    all of them: the weights equal a single-process run's."""
+    from safetensors.torch import load_file
+
+    distributed(2, "sft", task_file, str(tmp_path / "two"))
+    distributed(1, "sft", task_file, str(tmp_path / "one"))
+    two, one = (load_file(tmp_path / d / "final" / "model.safetensors") for d in ("two", "one"))
+    assert max(float((two[k] - one[k]).abs().max()) for k in one) < 1e-4
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "two" / "metrics.jsonl")]
+    assert steps == [1, 2]  # one logger (the main process), not one per process
+
+
+@pytest.mark.slow
+def test_two_process_grpo_updates_and_keeps_replicas_identical(tmp_path, task_file):
+    out = distributed(2, "grpo", task_file, str(tmp_path / "grpo"))
+    checksums = dict(line.split()[1::2] for line in out.splitlines() if line.startswith("rank "))
+    assert set(checksums) == {"0", "1"} and checksums["0"] == checksums["1"]
+    metrics = [json.loads(line) for line in open(tmp_path / "grpo" / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == [1, 2] and all(m["policy/skipped_update"] == 0.0 for m in metrics)
+    assert (tmp_path / "grpo" / "final" / "model.safetensors").is_file()
+
+
 @pytest.mark.parametrize("variant,extra", [("real-grpo", {}), ("simulator", {}), ("no-share", {"rehearse_layout": "isolated"}), ("act-only", {}), ("envace", {"real_fraction": 0.5})])
 def test_every_variant_runs_a_step(tmp_path, task_file, variant, extra):
     trainer = Trainer(build(TrainConfig, dict(SMALL, tasks=task_file, output_dir=str(tmp_path / variant), steps=1, variant=variant, **extra)))

@@ -146,13 +146,23 @@ def sequence_logprobs(model: torch.nn.Module, batch: Batch, chunk_size: int = 51
 
     The [B, T, vocab] logits are the memory peak of RL on long transcripts, so the LM head runs
     over `chunk_size` positions at a time, and under autograd each chunk is checkpointed: only
-    one chunk's logits exist at once, forward or backward. Works for HF causal LMs and PEFT
-    wrappers of them (decoder = `get_decoder()`, head = `get_output_embeddings()`).
+    one chunk's logits exist at once, forward or backward. The forward itself goes through
+    `model` as given, so a DDP/DeepSpeed wrapper sees it and synchronises the gradients; it
+    asks for the last position's logits only and the decoder's output is caught with a hook.
+    Works for HF causal LMs and PEFT wrappers of them (`get_decoder()`, `get_output_embeddings()`).
     """
-    hidden = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
-    head = model.get_output_embeddings()
-    softcap = getattr(model.config, "final_logit_softcapping", None)  # Gemma-style models
-    hidden, targets = hidden[:, :-1], batch.input_ids[:, 1:]
+    from accelerate.utils import extract_model_from_parallel
+
+    inner = extract_model_from_parallel(model)
+    caught: list[torch.Tensor] = []
+    hook = inner.get_decoder().register_forward_hook(lambda _m, _args, out: caught.append(out[0] if isinstance(out, tuple) else out.last_hidden_state))
+    try:
+        model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=1, use_cache=False)
+    finally:
+        hook.remove()
+    head = inner.get_output_embeddings()
+    softcap = getattr(inner.config, "final_logit_softcapping", None)  # Gemma-style models
+    hidden, targets = caught[0][:, :-1], batch.input_ids[:, 1:]
     logps, entropies = [], []
     for start in range(0, hidden.shape[1], chunk_size):
         args = (head, softcap, hidden[:, start : start + chunk_size], targets[:, start : start + chunk_size])

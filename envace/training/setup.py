@@ -3,6 +3,7 @@ micro-batching by token budget, and the run directory (config, checkpoints, metr
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
@@ -16,7 +17,7 @@ import yaml
 
 from envace import config as cfgmod
 from envace.config import ConfigError, field
-from envace.algorithms.losses import Row
+from envace.algorithms.losses import Row, collate
 
 
 @dataclass
@@ -118,6 +119,36 @@ def micro_batches(rows: list[Row], max_tokens: int) -> Iterator[list[Row]]:
         batch.append(row)
     if batch:
         yield batch
+
+
+def shared_run_dir(accelerator: Any, output_dir: str | None, prefix: str) -> Path:
+    """The run directory, named by the main process and broadcast: a timestamped default
+    could differ between the processes of one `accelerate launch`."""
+    name = [str(cfgmod.run_dir(output_dir, prefix)) if accelerator.is_main_process else None]
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        broadcast_object_list(name)
+    return Path(name[0])
+
+
+def backward_micro_batches(accelerator: Any, model: Any, rows: list[Row], max_tokens: int, pad_id: int,
+                           loss_fn: Callable[[Any], tuple[torch.Tensor, dict[str, float]]]) -> list[dict[str, float]]:
+    """Forward and backward `loss_fn(batch) -> (loss, metrics)` over the micro-batches of `rows`;
+    returns each micro-batch's metrics. Under DDP the gradients are all-reduced once, with the
+    last micro-batch (`no_sync` before it), so processes holding different numbers of
+    micro-batches stay in step; a process with no rows backpropagates a zero-loss padding row
+    so that it still joins that all-reduce."""
+    chunks = list(micro_batches(rows, max_tokens)) or [[Row([pad_id, pad_id], [0, 0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0])]]
+    metrics = []
+    for i, chunk in enumerate(chunks):
+        batch = collate(chunk, pad_id).to(accelerator.device)
+        with contextlib.nullcontext() if i == len(chunks) - 1 else accelerator.no_sync(model):
+            with accelerator.autocast():
+                loss, m = loss_fn(batch)
+            accelerator.backward(loss)
+        metrics.append(m)
+    return metrics
 
 
 def check_resume(path: Path, cfg: Any, resume: bool) -> Path | None:

@@ -17,13 +17,14 @@ import torch
 from tqdm.auto import tqdm
 
 from envace import config as cfgmod
-from envace.algorithms.losses import Row, collate, sequence_logprobs
+from envace.algorithms.losses import Row, sequence_logprobs
 from envace.backends.scripted import ScriptedGenerator, sequence_reply
-from envace.config import ConfigError, field, run_dir
+from envace.config import ConfigError, field
 from envace.rewards import Context, replay_reward
 from envace.rollout import RolloutConfig, RolloutEngine
 from envace.training.manifest import build_manifest, write_manifest
-from envace.training.setup import TrainingOptions, check_resume, load_trainable, make_accelerator, make_optimizer, make_scheduler, micro_batches, seed_everything
+from envace.training.setup import (TrainingOptions, backward_micro_batches, check_resume, load_trainable, make_accelerator, make_optimizer,
+                                   make_scheduler, seed_everything, shared_run_dir)
 from envace.transcript import compact_json
 from envace.types import Role, Task, Trajectory
 
@@ -85,18 +86,20 @@ def sft_rows(trajectories: list[Trajectory], roles: tuple[Role, ...]) -> list[Ro
     return rows
 
 
-def nll_step(model: Any, rows: list[Row], pad_id: int, max_tokens: int, device: Any, accelerator: Any) -> float:
-    """Accumulate the token-mean negative log-likelihood over `rows`; returns the loss value."""
-    total = sum(sum(r.loss_mask) for r in rows)
-    loss_sum = 0.0
-    for chunk in micro_batches(rows, max_tokens):
-        batch = collate(chunk, pad_id).to(device)
-        with accelerator.autocast():
-            logprobs, _ = sequence_logprobs(model, batch)
-            loss = -(logprobs * batch.loss_mask).sum() / total
-        accelerator.backward(loss)
-        loss_sum += loss.item()
-    return loss_sum
+def nll_step(model: Any, rows: list[Row], pad_id: int, max_tokens: int, accelerator: Any) -> float:
+    """Accumulate the token-mean negative log-likelihood over `rows` (this process's share of
+    the step's rows); returns the loss over every process's rows."""
+    local = float(sum(sum(r.loss_mask) for r in rows))
+    # DDP averages gradients over processes: normalise by the mean token count per process.
+    total = float(accelerator.reduce(torch.tensor(local, device=accelerator.device), "sum")) if accelerator.num_processes > 1 else local
+
+    def loss_fn(batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        logprobs, _ = sequence_logprobs(model, batch)
+        loss = -(logprobs * batch.loss_mask).sum() / (total / accelerator.num_processes)
+        return loss, {"loss": loss.item() / accelerator.num_processes}
+
+    loss_sum = sum(m["loss"] for m in backward_micro_batches(accelerator, model, rows, max_tokens, pad_id, loss_fn))
+    return float(accelerator.reduce(torch.tensor(loss_sum, device=accelerator.device), "sum")) if accelerator.num_processes > 1 else loss_sum
 
 
 def run_sft(cfg: SFTConfig) -> dict[str, Any]:
@@ -107,10 +110,11 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
     from envace.training.plots import plot_metrics
 
     tasks = load_tasks(cfg.tasks) if cfg.tasks else builtin_tasks("train", cfg.n_per_world, worlds=cfg.worlds or None, difficulty=cfg.difficulty, seed=cfg.seed)
-    out = run_dir(cfg.output_dir, "sft")
+    accelerator = make_accelerator()
+    main = accelerator.is_main_process
+    out = shared_run_dir(accelerator, cfg.output_dir, "sft")
     resume_from = check_resume(out, cfg, cfg.resume)
     seed_everything(cfg.seed)
-    accelerator = make_accelerator()
     model, tokenizer = load_trainable(cfg.model, cfg.lora_r, cfg.lora_alpha, accelerator.device, tiny=cfg.tiny)
     data, dropped = reference_trajectories(tasks, tokenizer, WorldEnvironment(), cfg.max_total_tokens)
     if not data:
@@ -123,38 +127,47 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
     step = 0
     if resume_from is not None:
         step = load_checkpoint(resume_from, {"policy": accelerator.unwrap_model(model)}, {"policy": optimizer}, {"policy": scheduler}).step
-    cfgmod.save(cfg, out / "config.yaml")
     manifest = build_manifest(tasks, None, sft_dropped=dropped)
-    write_manifest(manifest, out)
-    logger = MetricsLogger(out, use_tensorboard=cfg.tensorboard, use_wandb=cfg.wandb, wandb_project=cfg.wandb_project, resume_step=step if resume_from else None, config=cfgmod.to_dict(cfg))
-    bar = tqdm(total=total_steps, initial=step, desc="sft", disable=not cfg.progress)
+    logger = None
+    if main:
+        cfgmod.save(cfg, out / "config.yaml")
+        write_manifest(manifest, out)
+        logger = MetricsLogger(out, use_tensorboard=cfg.tensorboard, use_wandb=cfg.wandb, wandb_project=cfg.wandb_project, resume_step=step if resume_from else None, config=cfgmod.to_dict(cfg))
+    bar = tqdm(total=total_steps, initial=step, desc="sft", disable=not (cfg.progress and main))
     model.train()
     while step < total_steps:
         epoch, index = divmod(step, steps_per_epoch)
         order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)).tolist()
         chunk = [rows[i] for i in order[index * cfg.rows_per_step : (index + 1) * cfg.rows_per_step]]
         optimizer.zero_grad(set_to_none=True)
-        loss = nll_step(model, chunk, tokenizer.pad_token_id, cfg.micro_batch_tokens, accelerator.device, accelerator)
+        # Every process draws the same rows and trains on its own share of them.
+        share = chunk[accelerator.process_index :: accelerator.num_processes]
+        loss = nll_step(model, share, tokenizer.pad_token_id, cfg.micro_batch_tokens, accelerator)
         grad_norm = accelerator.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.grad_clip)
         optimizer.step()
         scheduler.step()
         step += 1
-        logger.log(step, {"sft/loss": loss, "sft/grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0], "epoch": epoch})
+        if logger is not None:
+            logger.log(step, {"sft/loss": loss, "sft/grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0], "epoch": epoch})
         bar.update(1)
         bar.set_postfix(loss=round(loss, 4))
         if step % cfg.save_every == 0 or step == total_steps:
-            save_checkpoint(out, step, {"policy": accelerator.unwrap_model(model)}, {"policy": optimizer}, {"policy": scheduler}, data_state={"epoch": epoch}, config=cfgmod.to_dict(cfg), keep_last=cfg.keep_last)
+            if main:
+                save_checkpoint(out, step, {"policy": accelerator.unwrap_model(model)}, {"policy": optimizer}, {"policy": scheduler}, data_state={"epoch": epoch}, config=cfgmod.to_dict(cfg), keep_last=cfg.keep_last)
+            accelerator.wait_for_everyone()
     bar.close()
-    logger.close()
     final = out / "final"
-    export = accelerator.unwrap_model(model)
-    export = export.merge_and_unload() if hasattr(export, "merge_and_unload") else export
-    export.save_pretrained(final)
-    tokenizer.save_pretrained(final)
-    write_manifest(manifest, final)
-    plot_metrics(out / "metrics.jsonl", out / "plots")
     # The warm start's data come from the real world: count its calls as the RL variants count theirs.
     result = {"run_dir": str(out), "final_model": str(final), "examples": len(rows), "dropped": dropped, "steps": total_steps,
               "real_env_calls": sum(len(t.tool_calls) for t in data)}
-    print(json.dumps(result, indent=2))
+    if main:
+        logger.close()
+        export = accelerator.unwrap_model(model)
+        export = export.merge_and_unload() if hasattr(export, "merge_and_unload") else export
+        export.save_pretrained(final)
+        tokenizer.save_pretrained(final)
+        write_manifest(manifest, final)
+        plot_metrics(out / "metrics.jsonl", out / "plots")
+        print(json.dumps(result, indent=2))
+    accelerator.wait_for_everyone()
     return result

@@ -26,13 +26,14 @@ from tqdm.auto import tqdm
 
 from envace import config as cfgmod
 from envace.algorithms import ADVANTAGES, group_metrics
-from envace.algorithms.losses import TRAINED_ROLES, build_rows, collate, ppo_loss, sequence_logprobs
-from envace.config import ConfigError, field, run_dir
+from envace.algorithms.losses import TRAINED_ROLES, build_rows, ppo_loss, sequence_logprobs
+from envace.config import ConfigError, field
 from envace.evaluation.metrics import summarize_records, trajectory_record
 from envace.rewards import REWARDS, Context, compute_rewards
 from envace.rollout import RolloutConfig, RolloutEngine, rollout_config_from
 from envace.training.manifest import build_manifest, write_manifest
-from envace.training.setup import TrainingOptions, check_resume, load_trainable, make_accelerator, make_optimizer, make_scheduler, micro_batches, seed_everything, timed
+from envace.training.setup import (TrainingOptions, backward_micro_batches, check_resume, load_trainable, make_accelerator, make_optimizer,
+                                   make_scheduler, seed_everything, shared_run_dir, timed)
 from envace.types import Task, Trajectory
 
 Variant = Literal["envace", "real-grpo", "simulator", "no-share", "act-only"]
@@ -158,23 +159,25 @@ class Trainer:
         self.cfg = cfg
         self.tasks = load_train_tasks(cfg)  # bad task files fail before any model loads
         self.env = WorldEnvironment()
-        self.dir = run_dir(cfg.output_dir, "train")
+        self.accelerator = make_accelerator()
+        if cfg.tasks_per_step % self.accelerator.num_processes:
+            raise ConfigError(f"tasks_per_step ({cfg.tasks_per_step}) must be a multiple of the number of processes ({self.accelerator.num_processes})")
+        self.dir = shared_run_dir(self.accelerator, cfg.output_dir, "train")
         resume_from = check_resume(self.dir, cfg, cfg.resume)
         seed_everything(cfg.seed)
-        self.accelerator = make_accelerator()
         self.models, self.tokenizer = self._build_models()
         self.step = 0
         self.stream = TaskStream(self.tasks, cfg.seed)
         if resume_from is not None:
             self._resume(resume_from)
-        cfgmod.save(cfg, self.dir / "config.yaml")
         self.manifest = build_manifest(self.tasks, cfg.init_from)
-        write_manifest(self.manifest, self.dir)
+        main = self.accelerator.is_main_process
+        if main:
+            cfgmod.save(cfg, self.dir / "config.yaml")
+            write_manifest(self.manifest, self.dir)
         from envace.training.logging import MetricsLogger
 
-        if cfg.tasks_per_step % self.accelerator.num_processes:
-            raise ConfigError(f"tasks_per_step ({cfg.tasks_per_step}) must be a multiple of the number of processes ({self.accelerator.num_processes})")
-        self.logger = None if not self.accelerator.is_main_process else MetricsLogger(self.dir, use_tensorboard=cfg.tensorboard, use_wandb=cfg.wandb, wandb_project=cfg.wandb_project, resume_step=self.step if resume_from else None, config=cfgmod.to_dict(cfg))
+        self.logger = None if not main else MetricsLogger(self.dir, use_tensorboard=cfg.tensorboard, use_wandb=cfg.wandb, wandb_project=cfg.wandb_project, resume_step=self.step if resume_from else None, config=cfgmod.to_dict(cfg))
         self.real_env_calls = 0
 
     # ---- setup ------------------------------------------------------------------------
@@ -277,17 +280,16 @@ class Trainer:
                 warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
                 scheduler.step()
             return {"trained_tokens": float(total), "skipped_update": 1.0}
-        pad_id = self.tokenizer.pad_token_id
-        for chunk in micro_batches(rows, cfg.micro_batch_tokens):
-            batch = collate(chunk, pad_id).to(self.accelerator.device)
-            with self.accelerator.autocast():
-                logprobs, entropy = sequence_logprobs(model, batch)
-                ref = None
-                if self.models.reference is not None:
-                    with torch.no_grad():
-                        ref, _ = sequence_logprobs(self.models.reference, batch)
-                loss, m = ppo_loss(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, cfg.clip_eps, cfg.dual_clip, ref, cfg.kl_coef, roles=batch.roles, entropy=entropy, num_tokens=float(denom))
-            self.accelerator.backward(loss)
+        def loss_fn(batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
+            logprobs, entropy = sequence_logprobs(model, batch)
+            ref = None
+            if self.models.reference is not None:
+                with torch.no_grad():
+                    ref, _ = sequence_logprobs(self.models.reference, batch)
+            return ppo_loss(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, cfg.clip_eps, cfg.dual_clip, ref, cfg.kl_coef,
+                            roles=batch.roles, entropy=entropy, num_tokens=float(denom))
+
+        for m in backward_micro_batches(self.accelerator, model, rows, cfg.micro_batch_tokens, self.tokenizer.pad_token_id, loss_fn):
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + (v if k == "loss" or k.startswith("tokens") else v * m[_token_key(k)])
         sums = {k: v if k == "loss" or k.startswith("tokens") else v / max(sums[_token_key(k)], 1.0) for k, v in sums.items()}

@@ -1,0 +1,35 @@
+"""Runs under `python -m torch.distributed.run --nproc_per_node N tests/ddp_worker.py KIND TASKS OUT`
+(tests/test_training.py): SFT or GRPO on the tiny model, as `accelerate launch` would run it on
+N GPUs, here with N CPU processes (gloo). GRPO prints each rank's parameter checksum."""
+
+import sys
+
+import torch
+
+from envace.config import build
+from envace.training.sft import SFTConfig, run_sft
+from envace.training.trainer import TrainConfig, Trainer
+
+
+def varied(task, traj, ctx):
+    """A reward that differs between rollouts (the tiny model never solves a task), so that
+    every GRPO step has advantages and really updates."""
+    return float(sum(traj.token_ids) % 2), {}
+
+
+def main(kind: str, tasks: str, out: str) -> None:
+    if kind == "sft":
+        run_sft(build(SFTConfig, dict(tiny=True, tasks=tasks, epochs=2, rows_per_step=4, lr=3e-3, output_dir=out, progress=False, tensorboard=False)))
+        return
+    cfg = build(TrainConfig, dict(tiny=True, tasks=tasks, steps=2, tasks_per_step=2, k=4, max_turns=2, max_turn_tokens=12, max_rehearse_tokens=8,
+                                  max_total_tokens=400, reward="tests.ddp_worker:varied", progress=False, tensorboard=False, lr=1e-3, output_dir=out))
+    trainer = Trainer(cfg)
+    trainer.fit()
+    model = trainer.accelerator.unwrap_model(trainer.models.policy)
+    with torch.no_grad():
+        checksum = float(sum(p.double().sum() for p in model.parameters()))
+    print(f"rank {trainer.accelerator.process_index} checksum {checksum!r}", flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
