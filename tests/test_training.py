@@ -220,3 +220,10 @@ def test_every_variant_runs_a_step(tmp_path, task_file, variant, extra):
         assert real_calls == 0  # only real rollouts (real-grpo, or envace's real_fraction) touch the world
     assert set(trainer.models.trained()) == ({"policy", "rehearser"} if variant == "no-share" else {"policy"})
     assert (trainer.models.simulator is not None) == (variant == "simulator")
+
+
+def test_counted_metrics_are_summed_over_processes_the_rest_averaged():
+    from envace.training.trainer import is_count
+
+    keys = ("policy/tokens/act", "policy/tokens", "malformed", "fidelity/calls", "policy/trained_tokens", "env/real_calls_step", "reward/act", "tokens_per_task")
+    assert [is_count(k) for k in keys] == [True, True, True, True, False, False, False, False]

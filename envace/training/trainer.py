@@ -313,12 +313,14 @@ class Trainer:
             return value
         return float(self.accelerator.reduce(torch.tensor(float(value), device=self.accelerator.device), "sum"))
 
-    def _global_means(self, metrics: dict[str, float]) -> dict[str, float]:
+    def _global_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """One value per metric over all processes: counts are summed, the rest averaged."""
         if self.accelerator.num_processes == 1:
             return metrics
         keys = sorted(metrics)
-        values = self.accelerator.reduce(torch.tensor([float(metrics[k]) for k in keys], device=self.accelerator.device), "mean")
-        return dict(zip(keys, values.tolist()))
+        local = torch.tensor([float(metrics[k]) for k in keys], device=self.accelerator.device)
+        sums = self.accelerator.reduce(local, "sum").tolist()
+        return {k: v if is_count(k) else v / self.accelerator.num_processes for k, v in zip(keys, sums)}
 
     def train_step(self) -> dict[str, float]:
         # Every process draws the same tasks and rolls out its own share of them.
@@ -328,7 +330,7 @@ class Trainer:
         update, t_update = timed(lambda: self.update(groups))
         self.step += 1
         metrics |= update | {"time/rollout_s": t_rollout, "time/update_s": t_update, "time/rollout_share": t_rollout / max(t_rollout + t_update, 1e-9)}
-        metrics = self._global_means(metrics)
+        metrics = self._global_metrics(metrics)
         if self.logger is not None:
             self.logger.log(self.step, metrics)
             self.logger.write_samples(self.step, [g[0] for g in groups[: self.cfg.samples_per_step]], self.tokenizer)
@@ -376,6 +378,13 @@ class Trainer:
             result["plots"] = [str(p) for p in plot_metrics(self.dir / "metrics.jsonl", self.dir / "plots")]
         self.accelerator.wait_for_everyone()
         return result
+
+
+def is_count(metric: str) -> bool:
+    """Metrics that count this process's things (tokens trained, malformed outputs), summed over
+    processes; `trained_tokens` and `env/real_calls_*` are global already, and the rest are means."""
+    parts = metric.split("/")
+    return metric in ("malformed", "fidelity/calls") or (len(parts) > 1 and parts[1] == "tokens")
 
 
 def _token_key(metric: str) -> str:
