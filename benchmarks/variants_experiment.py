@@ -36,12 +36,10 @@ VARIANTS = {
 
 
 def evaluate(model: str, out: Path, args: argparse.Namespace) -> dict[str, dict]:
-    results = {}
-    for split in ("test", "heldout"):
-        cfg = build(EvalConfig, dict(model=model, split=split, n_per_world=args.eval_per_world, difficulty=1, temperature=0.0,
-                                     max_turns=6, max_turn_tokens=96, output_dir=str(out / f"eval-{split}"), progress=False))
-        results[split] = run_eval(cfg)["overall"]
-    return results
+    """Greedy, on the test split: the training worlds' test tasks and the held-out world's."""
+    cfg = build(EvalConfig, dict(model=model, split="test", n_per_world=args.eval_per_world, difficulty=1, temperature=0.0,
+                                 max_turns=6, max_turn_tokens=96, output_dir=str(out / "eval-test"), progress=False))
+    return {"test": run_eval(cfg)["overall"]}
 
 
 def main() -> None:
@@ -69,7 +67,7 @@ def main() -> None:
         if not args.sft_from:
             done = run_sft(build(SFTConfig, dict(n_per_world=args.sft_per_world, epochs=1, rows_per_step=8, lr=2e-4, difficulty=1, output_dir=str(sft_dir), progress=False)))
             sft = {"real_env_calls": done["real_env_calls"], "seconds": time.perf_counter() - start}
-        results["sft"] = sft | {"eval": evaluate(warm, sft_dir, args)}
+        results["sft"] = sft | {"eval": evaluate(warm, out / "sft", args)}
         (out / "results.json").write_text(json.dumps(results, indent=2))
     for variant in args.variants:
         if variant in results:
@@ -88,19 +86,21 @@ def main() -> None:
 
 
 def table(results: dict, preset: dict, args: argparse.Namespace) -> str:
-    def cell(s: dict) -> str:
-        lo, hi = s["success_ci95"]
-        return f"{s['success_rate']:.2f} [{lo:.2f}, {hi:.2f}] (n={s['n']})"
+    from envace.envs import HELDOUT_WORLDS, TRAIN_WORLDS
+    from envace.evaluation.report import pooled_success
 
+    out = Path(args.out)
     lines = [f"Command: `python benchmarks/variants_experiment.py {shlex.join(sys.argv[1:])}`", "",
              f"Preset: {preset['steps']} steps x {preset['tasks_per_step']} tasks x K={preset['k']}, difficulty {preset['difficulty']}, from one shared SFT warm start.", "",
-             "| variant | success, test split [95% CI] | success, held-out world [95% CI] | tool F1 (test) | real-env calls in training | train wall time |",
+             f"| row | success, training worlds ({', '.join(TRAIN_WORLDS)}) [95% CI] | success, held-out world ({', '.join(HELDOUT_WORLDS)}) [95% CI] "
+             "| tool F1 | real-env calls in training | train wall time |",
              "|---|---|---|---|---|---|"]
     for name, r in results.items():
-        ev = r["eval"]
+        summary = json.loads((out / name / "eval-test" / "summary.json").read_text())
         calls = r.get("real_env_calls", "-")
         wall = f"{r['seconds'] / 60:.1f} min" if r.get("seconds") is not None else "reused"
-        lines.append(f"| {name} | {cell(ev['test'])} | {cell(ev['heldout'])} | {ev['test'].get('tool_f1', 0):.2f} | {calls} | {wall} |")
+        lines.append(f"| {name} | {pooled_success(summary, set(TRAIN_WORLDS))} | {pooled_success(summary, set(HELDOUT_WORLDS))} "
+                     f"| {summary['overall'].get('tool_f1', 0):.2f} | {calls} | {wall} |")
     return "\n".join(lines) + "\n"
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from envace.config import ConfigError, field
-from envace.evaluation.report import markdown_table
+from envace.evaluation.report import markdown_table, pooled_success
 
 
 @dataclass
@@ -102,17 +102,6 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     return summary
 
 
-def _pooled(summary: dict[str, Any], worlds: set[str] | None) -> str:
-    """Success over the tasks of some worlds (None = all), with its 95% CI."""
-    from envace.evaluation.metrics import wilson_interval
-
-    parts = [s for w, s in summary["by_world"].items() if worlds is None or w in worlds]
-    n = sum(s["n"] for s in parts)
-    wins = sum(s["success_rate"] * s["n"] for s in parts)
-    lo, hi = wilson_interval(wins, n)
-    return f"{wins / max(n, 1):.2f} [{lo:.2f}, {hi:.2f}] (n={n})"
-
-
 def report_markdown(summary: dict[str, Any], root: Path) -> str:
     from envace.envs import HELDOUT_WORLDS, TRAIN_WORLDS
 
@@ -129,7 +118,7 @@ def report_markdown(summary: dict[str, Any], root: Path) -> str:
     for name, s in summary["stages"].items():
         o = s["overall"]
         fid = f"{o['fidelity/exact']:.2f} / {o['fidelity/field_f1']:.2f}" if "fidelity/exact" in o else "-"
-        lines.append(f"| {name} | {_pooled(s, set(TRAIN_WORLDS))} | {_pooled(s, set(HELDOUT_WORLDS))} | {o.get('tool_f1', 0):.2f} | {fid} | {o['real_env_calls']} | {o['malformed']} |")
+        lines.append(f"| {name} | {pooled_success(s, set(TRAIN_WORLDS))} | {pooled_success(s, set(HELDOUT_WORLDS))} | {o.get('tool_f1', 0):.2f} | {fid} | {o['real_env_calls']} | {o['malformed']} |")
     lines += ["", f"Real-environment calls during rehearsal training: **{summary['train']['real_env_calls']}** "
               "(the replay reward executes ACT's calls for verification only; the policy never sees those results).", "",
               "## Per world after training (real world)", "", markdown_table(summary["stages"]["SFT + rehearsal GRPO"]), "",

@@ -113,3 +113,14 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
     for line in (benchmark_line(summary), rehearsal_line(summary)):
         if line:
             console.print(line, markup=False)
+
+
+def pooled_success(summary: dict[str, Any], worlds: set[str] | None) -> str:
+    """Success over the tasks of some worlds (None = all) of an eval summary, with its 95% CI."""
+    from envace.evaluation.metrics import wilson_interval
+
+    parts = [s for w, s in summary["by_world"].items() if worlds is None or w in worlds]
+    n = sum(s["n"] for s in parts)
+    wins = sum(s["success_rate"] * s["n"] for s in parts)
+    lo, hi = wilson_interval(wins, n)
+    return f"{wins / max(n, 1):.2f} [{lo:.2f}, {hi:.2f}] (n={n})"
