@@ -90,6 +90,10 @@ class RolloutConfig:
     top_p: float = 1.0
     accept_fenced_json: bool = False  # see parsing.parse_act
     grounding: bool = False  # isolated prompt shows the task's reference (call, true result) pairs
+    # A malformed tool call or rehearsal is penalised; "end" stops the rollout there, "continue"
+    # shows the error (ACT) or the broken response (REHEARSE) as the tool's answer and goes on.
+    # An empty output always ends it.
+    on_malformed: Literal["end", "continue"] = "end"
 
 
 def rollout_config_from(options: Any, **overrides: Any) -> RolloutConfig:
@@ -243,10 +247,16 @@ class RolloutEngine:
     def _end(self, ep: _Episode, reason: EndReason) -> None:
         ep.traj.end_reason = reason
 
-    def _penalize(self, ep: _Episode, role: str, err: ParseError, reason: EndReason) -> None:
+    def _penalize(self, ep: _Episode, role: str, output: Turn | None, err: ParseError, reason: EndReason) -> bool:
+        """Count and flag a malformed output; True when the rollout goes on (`on_malformed`)."""
         ep.traj.penalties[role] = ep.traj.penalties.get(role, 0) + 1
+        if output is not None:
+            output.malformed = True
+        if self.config.on_malformed == "continue" and err.code != "EMPTY_OUTPUT":
+            return True
         ep.traj.observations.append(err.observation())
         self._end(ep, EndReason.EMPTY_OUTPUT if err.code == "EMPTY_OUTPUT" else reason)
+        return False
 
     def _budget(self, ep: _Episode, per_turn: int) -> int:
         """Tokens this generation may use; 0 ends the episode for the total-token limit."""
@@ -300,7 +310,8 @@ class RolloutEngine:
     def _after_act(self, ep: _Episode, out: Completion) -> None:
         layout = self.transcript.layout
         ep.act_turns += 1
-        ep.append(Turn(Role.ACT, out.token_ids, out.logprobs, out.text), fed=True)
+        output = Turn(Role.ACT, out.token_ids, out.logprobs, out.text)
+        ep.append(output, fed=True)
         # The last sampled token was never fed to the model; the backend feeds it next call.
         content = self.transcript.strip_marker(out.text, layout.act_marker)
         ep.traj.messages.append({"role": "assistant", "content": content})
@@ -310,7 +321,8 @@ class RolloutEngine:
         try:
             parsed = parse_act(content, self.config.accept_fenced_json)
         except ParseError as err:
-            self._penalize(ep, "act", err, EndReason.MALFORMED_ACT)
+            if self._penalize(ep, "act", output, err, EndReason.MALFORMED_ACT):
+                self._show_act_error(ep, out.text, err)
             return
         if parsed.calls:
             for call in parsed.calls:
@@ -336,6 +348,15 @@ class RolloutEngine:
         if "max_steps_per_turn" in ep.task.metadata:
             ep.act_turns = 0
         self._user_turn(ep, next_user, out.text)
+
+    def _show_act_error(self, ep: _Episode, after: str, err: ParseError) -> None:
+        """The parse error answers the malformed ACT output as a tool response (no call was made,
+        so nothing joins `tool_calls`/`observations`); ACT then tries again."""
+        layout = self.transcript.layout
+        obs = err.observation()
+        ep.traj.messages.append({"role": "tool", "name": "", "content": obs})
+        turn = self.transcript.tool_response(obs, Role.ENV)
+        self._force(ep, self.transcript.forced_after(after, layout.act_to_tool), turn, self.transcript.forced_after(turn.text, layout.tool_to_act))
 
     def _user_turn(self, ep: _Episode, content: str, after: str) -> None:
         """Append user turn `ep.user_turn` after the assistant text `after` (generated or forced)."""
@@ -433,9 +454,10 @@ class RolloutEngine:
             try:
                 obs = parse_rehearsal(self.transcript.strip_marker(out.text, marker))
             except ParseError as err:
-                ep.traj.turns.append(turn)
-                self._penalize(ep, "rehearse", err, EndReason.MALFORMED_REHEARSAL)
-                continue
+                if not self._penalize(ep, "rehearse", turn, err, EndReason.MALFORMED_REHEARSAL):
+                    ep.traj.turns.append(turn)
+                    continue
+                obs = err.observation()  # ACT reads the broken response as generated
             self._record_observation(ep, obs, Role.REHEARSE, turn)
 
     def _simulate_isolated(self, eps: list[_Episode]) -> None:
@@ -448,17 +470,20 @@ class RolloutEngine:
         self.simulator.close(sessions)
         trained = self.config.mode == "rehearse"
         for ep, prompt, out in zip(eps, prompts, outs):
+            output = None
             if trained:
                 row = Trajectory(task_id=ep.task.id, mode="rehearse-isolated", group=ep.traj.group)
-                row.turns = [prompt, Turn(Role.REHEARSE, out.token_ids, out.logprobs, out.text)]
+                output = Turn(Role.REHEARSE, out.token_ids, out.logprobs, out.text)
+                row.turns = [prompt, output]
                 ep.traj.side_rows.append(row)
             try:
                 if out.finish_reason == "length":
                     raise ParseError("MALFORMED_REHEARSAL", "the simulated response hit its token limit")
                 obs = parse_rehearsal(self.sim_transcript.strip_marker(out.text, marker))
             except ParseError as err:
-                self._penalize(ep, "rehearse" if trained else "simulator", err, EndReason.MALFORMED_REHEARSAL)
-                continue
+                if not self._penalize(ep, "rehearse" if trained else "simulator", output, err, EndReason.MALFORMED_REHEARSAL):
+                    continue
+                obs = err.observation()  # ACT sees the error, not the simulator's broken text
             self._record_observation(ep, obs, Role.ENV)
 
     def _grounding(self, task: Task) -> list[tuple[dict[str, Any], dict[str, Any]]]:

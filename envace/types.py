@@ -82,6 +82,7 @@ class Turn:
     token_ids: list[int]
     logprobs: list[float] | None = None  # one per token for ACT/REHEARSE spans
     text: str = ""  # decoded for reading only; never re-tokenised
+    malformed: bool = False  # a sampled output that failed to parse (it gets the penalty)
 
 
 @dataclass
@@ -89,7 +90,8 @@ class Trajectory:
     """A finished rollout: one token sequence with a role tag per token.
 
     `tool_calls`/`observations` are what ACT called and what it saw (real, rehearsed or
-    simulated, depending on `mode`). `penalties` counts malformed/empty outputs per role.
+    simulated, depending on `mode`). `penalties` counts malformed/empty outputs per role (each
+    such output is also flagged `Turn.malformed`).
     """
 
     task_id: str

@@ -15,16 +15,18 @@ from envace.types import Role, Trajectory, Turn
 P, A, R, E, U = Role.PROMPT, Role.ACT, Role.REHEARSE, Role.ENV, Role.USER
 
 
-def traj(spans, reward, side_rows=(), penalties=None, group=0) -> Trajectory:
+def traj(spans, reward, side_rows=(), group=0) -> Trajectory:
     """spans: (role, token ids); sampled spans get logprob -1.0 per token."""
     turns = [Turn(role, list(ids), [-1.0] * len(ids) if role in (A, R) else None) for role, ids in spans]
-    return Trajectory("t", "rehearse", turns, reward=reward, side_rows=list(side_rows), penalties=penalties or {}, group=group)
+    return Trajectory("t", "rehearse", turns, reward=reward, side_rows=list(side_rows), group=group)
 
 
-def worked_example(**penalties_by_rollout):
+def worked_example(malformed_act_of_one: int | None = None):
     """K=2. Rollout 1 (R=1): 3 ACT + 2 REHEARSE outputs. Rollout 2 (R=0): 1 ACT, no REHEARSE."""
-    one = traj([(P, [1, 2]), (A, [3, 4]), (R, [5]), (A, [6]), (R, [7, 8]), (A, [9])], 1.0, penalties=penalties_by_rollout.get("one"))
-    two = traj([(P, [1, 2]), (A, [10, 11])], 0.0, penalties=penalties_by_rollout.get("two"), group=1)
+    one = traj([(P, [1, 2]), (A, [3, 4]), (R, [5]), (A, [6]), (R, [7, 8]), (A, [9])], 1.0)
+    two = traj([(P, [1, 2]), (A, [10, 11])], 0.0, group=1)
+    if malformed_act_of_one is not None:
+        one.outputs(A)[malformed_act_of_one].malformed = True
     return [one, two]
 
 
@@ -71,18 +73,26 @@ def test_plain_grpo_uses_trajectory_mean():
     assert two.outputs[A] == [-0.5]
 
 
-def test_penalty_hits_the_last_outputs_of_the_role():
-    (group,) = ADVANTAGES.get("role_grpo")([worked_example(one={"act": 1})], penalty=-0.1)
-    one, two = group.trajectories
-    # ACT rewards [1, 1, 0.9 (malformed, last), 0]: mu = 2.9 / 4 = 0.725
-    assert one.outputs[A] == pytest.approx([0.275, 0.275, 0.175])
+def test_penalty_hits_the_flagged_outputs():
+    # a malformed middle output (on_malformed="continue")
+    (adv,) = ADVANTAGES.get("role_grpo")([worked_example(malformed_act_of_one=1)], penalty=-0.1)
+    one, two = adv.trajectories
+    # ACT rewards [1, 0.9 (malformed), 1, 0]: mu = 2.9 / 4 = 0.725
+    assert one.outputs[A] == pytest.approx([0.275, 0.175, 0.275])
     assert two.outputs[A] == pytest.approx([-0.725])
     assert one.outputs[R] == [0.0, 0.0]  # REHEARSE unaffected
+    assert one.tokens == pytest.approx([0, 0, 0.275, 0.275, 0, 0.175, 0, 0, 0.275])
 
 
-def test_penalty_count_beyond_outputs_is_an_error():
-    with pytest.raises(ValueError, match="penalties"):
-        ADVANTAGES.get("role_grpo")([worked_example(two={"rehearse": 1})], penalty=-0.1)
+def test_penalty_hits_a_flagged_side_row_output():
+    """Isolated layout: the malformed rehearsal is a side row's output."""
+    side = traj([(P, [20, 21]), (R, [22])], 1.0)
+    side.turns[-1].malformed = True
+    one = traj([(P, [1, 2]), (A, [3])], 1.0, side_rows=[side])
+    two = traj([(P, [1, 2]), (A, [4])], 1.0, side_rows=[traj([(P, [20, 21]), (R, [23])], 1.0)], group=1)
+    (adv,) = ADVANTAGES.get("role_grpo")([[one, two]], penalty=-0.5)
+    # REHEARSE rewards [0.5 (malformed), 1]: mu = 0.75
+    assert adv.trajectories[0].outputs[R] == pytest.approx([-0.25]) and adv.trajectories[1].outputs[R] == pytest.approx([0.25])
 
 
 def test_missing_reward_is_an_error():
@@ -110,7 +120,7 @@ def test_equal_rewards_give_zero_advantage_and_zero_gradient():
 
 
 def test_group_metrics():
-    groups = ADVANTAGES.get("role_grpo")([worked_example(one={"act": 1})], penalty=-0.1)
+    groups = ADVANTAGES.get("role_grpo")([worked_example(malformed_act_of_one=2)], penalty=-0.1)
     metrics = group_metrics(groups)
     assert metrics["reward/act"] == pytest.approx(0.725)
     assert metrics["reward/rehearse"] == 1.0

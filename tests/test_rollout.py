@@ -99,7 +99,7 @@ def test_malformed_act_is_observation_penalty_and_end(tokenizer):
     [[traj]] = eng.run([counter_task()], progress=False)
     assert traj.end_reason == EndReason.MALFORMED_ACT
     assert traj.penalties == {"act": 1}
-    assert traj.observations[-1]["error"]["code"] == "MALFORMED_TOOL_CALL"
+    assert traj.observations[-1]["error"]["code"] == "MALFORMED_TOOL_CALL" and traj.outputs(Role.ACT)[-1].malformed
 
 
 def test_malformed_rehearsal_is_observation_penalty_and_end(tokenizer):
@@ -111,6 +111,44 @@ def test_malformed_rehearsal_is_observation_penalty_and_end(tokenizer):
     assert traj.end_reason == EndReason.MALFORMED_REHEARSAL
     assert traj.penalties == {"rehearse": 1}
     assert traj.turns[-1].role == Role.REHEARSE
+
+
+def test_malformed_act_with_continue_shows_the_error_and_goes_on(tokenizer):
+    """on_malformed="continue": the parse error answers as a tool response, ACT tries again; only
+    the malformed output is flagged, and tool_calls/observations stay aligned."""
+    replies = iter(['<tool_call>{"name": "add", "arguments": {n: 5}}</tool_call>'])
+
+    def reply(text):
+        return next(replies, None) or agent(text)
+
+    eng, _ = engine(tokenizer, "real", reply=reply, on_malformed="continue")
+    [[traj]] = eng.run([counter_task()], progress=False)
+    assert traj.end_reason == EndReason.ANSWERED and traj.final_answer == "The counter is 5."
+    assert traj.penalties == {"act": 1} and [t.malformed for t in traj.outputs(Role.ACT)] == [True, False, False]
+    assert [c.to_dict() for c in traj.tool_calls] == [{"name": "add", "arguments": {"n": 5}}] and traj.observations == [{"value": 5}]
+    error = traj.messages[3]
+    assert error["role"] == "tool" and error["content"]["error"]["code"] == "MALFORMED_TOOL_CALL"
+    assert [t.role for t in traj.turns if t.role != Role.PROMPT][:3] == [Role.ACT, Role.ENV, Role.ACT]
+    assert "MALFORMED_TOOL_CALL" in tokenizer.decode(traj.token_ids)  # ACT read the error
+
+
+def test_malformed_rehearsal_with_continue_is_read_as_generated(tokenizer):
+    def reply(text):
+        if text.rsplit("<|im_start|>", 1)[-1].startswith("tool"):
+            return "value is five"
+        return "Done." if "value is five" in text else agent(text)
+
+    eng, _ = engine(tokenizer, "rehearse", reply=reply, on_malformed="continue")
+    [[traj]] = eng.run([counter_task()], progress=False)
+    assert traj.end_reason == EndReason.ANSWERED and traj.final_answer == "Done."
+    assert traj.penalties == {"rehearse": 1} and [t.malformed for t in traj.outputs(Role.REHEARSE)] == [True]
+    assert traj.observations[0]["error"]["code"] == "MALFORMED_REHEARSAL"  # the call's observation, aligned
+
+
+def test_empty_output_ends_even_with_continue(tokenizer):
+    eng, _ = engine(tokenizer, "real", reply=lambda _: "", on_malformed="continue")
+    [[traj]] = eng.run([counter_task()], progress=False)
+    assert traj.end_reason == EndReason.EMPTY_OUTPUT and traj.penalties == {"act": 1} and traj.outputs(Role.ACT)[0].malformed
 
 
 def test_bad_tool_call_is_an_observation_not_a_crash(tokenizer):

@@ -227,3 +227,8 @@ def test_counted_metrics_are_summed_over_processes_the_rest_averaged():
 
     keys = ("policy/tokens/act", "policy/tokens", "malformed", "fidelity/calls", "policy/trained_tokens", "env/real_calls_step", "reward/act", "tokens_per_task")
     assert [is_count(k) for k in keys] == [True, True, True, True, False, False, False, False]
+
+
+def test_on_malformed_reaches_the_rollout_config(task_file):
+    cfg = build(TrainConfig, dict(SMALL, tasks=task_file, on_malformed="continue"))
+    assert cfg.rollout_config("rehearse").on_malformed == "continue" and cfg.rollout_config("real").on_malformed == "continue"

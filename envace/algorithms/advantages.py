@@ -63,19 +63,15 @@ def role_key(role: Role) -> str:
 def output_rewards(traj: Trajectory, role: Role, penalty: float) -> list[float]:
     """Reward of each output of `role` in `traj` (main turns, then side rows).
 
-    Every output gets R_i. `traj.penalties[role]` counts malformed/empty outputs (n) but does
-    not say which; a malformed or empty output ends the rollout (EndReason.MALFORMED_* /
-    EMPTY_OUTPUT), so it is the role's last output and we add `penalty` to the LAST n outputs.
-    `penalty` is added as given: pass a negative value (the reference uses -0.1). It lowers the
-    offending output's advantage and, through the baseline, slightly raises its siblings'.
+    Every output gets R_i; an output flagged `Turn.malformed` (it failed to parse, or was empty)
+    also gets `penalty`, added as given: pass a negative value (the reference uses -0.1). It
+    lowers the offending output's advantage and, through the baseline, slightly raises its
+    siblings'.
     """
     if traj.reward is None:
         raise ValueError(f"trajectory of task {traj.task_id!r} (rollout {traj.group}) has no reward; score it first")
-    count = sum(len(seq.outputs(role)) for seq in [traj, *traj.side_rows])
-    n_bad = traj.penalties.get(role_key(role), 0)
-    if n_bad > count:
-        raise ValueError(f"trajectory of task {traj.task_id!r} has {n_bad} {role_key(role)} penalties but {count} outputs")
-    return [traj.reward + (penalty if k >= count - n_bad else 0.0) for k in range(count)]
+    outputs = [turn for seq in [traj, *traj.side_rows] for turn in seq.outputs(role)]
+    return [traj.reward + (penalty if turn.malformed else 0.0) for turn in outputs]
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:

@@ -65,6 +65,7 @@ class EvalConfig:
     max_rehearse_tokens: int = field(160, help="tokens per rehearsed tool response")
     max_total_tokens: int = field(3072, help="tokens per trajectory, prompt included")
     accept_fenced_json: bool = field(False, help="also parse ```json tool calls (lenient)")
+    on_malformed: Literal["end", "continue"] = field("end", help="after a malformed tool call/rehearsal: end the rollout, or show the error and go on")
     seed: int = field(0, help="random seed (task generation and sampling)")
     output_dir: str | None = field(None, help="where to write results (default runs/eval-<time>, with --benchmark runs/bench-<time>)")
     progress: bool = field(True, help="show progress bars")

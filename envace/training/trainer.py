@@ -57,6 +57,7 @@ class TrainConfig(TrainingOptions):
     advantage: str = field("role_grpo", help="advantage estimator: role_grpo | grpo | module:function")
     normalize_std: bool = field(False, help="divide advantages by the group std")
     penalty: float = field(-0.1, help="added to the reward of a malformed/empty output")
+    on_malformed: Literal["end", "continue"] = field("end", help="after a malformed tool call/rehearsal: end the rollout, or show the error and go on")
     clip_eps: float = field(0.2, help="PPO clip range")
     dual_clip: float | None = field(3.0, help="dual-clip constant for negative advantages (None = off)")
     kl_coef: float = field(0.0, help="KL to the frozen initial model (0 = off)")
