@@ -27,7 +27,7 @@ from envace.backends import (
     tiny_model,
 )
 from envace.backends import hf, models
-from envace.backends.server import CompletionService, make_server
+from envace.backends.server import CompletionService, RequestError, assistant_reply, make_server
 
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0)
 TOL = 1e-4
@@ -255,6 +255,34 @@ def test_server_chat_and_text_prompt(server_url):
     assert text.status_code == 200 and len(text.json()["choices"]) == 4
     bad = httpx.post(f"{server_url}/completions", timeout=30, json={"prompt": [10**9], "max_tokens": 3})
     assert bad.status_code == 400
+
+
+ADD_TOOL = {"type": "function", "function": {"name": "add", "description": "Add n to the counter.",
+                                              "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}
+
+
+def test_server_renders_tools_and_earlier_tool_calls_as_the_rollouts_do(model, tokenizer):
+    service = CompletionService(HFGenerator(model, tokenizer), "tiny")
+    messages = [{"role": "user", "content": "Add 5."},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"n": 5}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": '{"value": 5}'}]
+    text = tokenizer.decode(service.chat_prompt(messages, [ADD_TOOL]))
+    assert "add(n: integer) - Add n to the counter." in text  # SmolLM2's template has no native tools: signatures
+    assert '<tool_call>{"name": "add", "arguments": {"n": 5}}</tool_call>' in text and '{"value": 5}' in text
+    assert text.endswith("<|im_start|>assistant\n")
+    with pytest.raises(RequestError, match="not JSON"):
+        service.chat_prompt([{"role": "assistant", "tool_calls": [{"function": {"name": "add", "arguments": "{n: 5"}}]}], [ADD_TOOL])
+
+
+def test_server_reply_blocks_become_openai_tool_calls():
+    message, finish = assistant_reply('Adding. <tool_call>{"name": "add", "arguments": {"n": 5}}</tool_call>', with_tools=True)
+    [call] = message["tool_calls"]
+    assert finish == "tool_calls" and message["content"] == "Adding."
+    assert call["type"] == "function" and call["function"] == {"name": "add", "arguments": '{"n": 5}'} and call["id"].startswith("call_")
+    assert assistant_reply("The counter is 5.", with_tools=True) == ({"role": "assistant", "content": "The counter is 5."}, None)
+    broken = '<tool_call>{"name": "add", "arguments": {n: 5}}</tool_call>'
+    assert assistant_reply(broken, with_tools=True) == ({"role": "assistant", "content": broken}, None)  # unparsable: plain text
+    assert assistant_reply(broken, with_tools=False)[0] == {"role": "assistant", "content": broken}
 
 
 def test_unknown_served_model(tokenizer, server_url):

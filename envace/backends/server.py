@@ -5,8 +5,14 @@ either), POST /v1/chat/completions (messages rendered with the tokenizer's chat 
 Understood vLLM extensions: `stop_token_ids`, `ignore_eos`, `return_tokens_as_token_ids`,
 `include_stop_str_in_output`, `skip_special_tokens`. Generation stops at EOS unless `ignore_eos`;
 `max_tokens` defaults to 256. Not supported: streaming, `echo`, `best_of`, top-N logprobs (only
-the sampled token's logprob is returned, `top_logprobs` is null), tools (the chat template
-decides what it renders).
+the sampled token's logprob is returned, `top_logprobs` is null), `tool_choice` (the model
+decides).
+
+Tools: a chat request with `tools` is rendered as envace's rollouts render it (`Transcript.prompt`:
+native tool schemas where the template has them, else signatures in the system message), earlier
+assistant `tool_calls` become the `<tool_call>{...}</tool_call>` blocks the policy writes, and the
+reply's blocks come back as OpenAI `tool_calls` (`finish_reason` "tool_calls"). A reply whose
+blocks do not parse is returned as plain content.
 
 Requests are served one generation at a time (a lock around the generator); the prompts of one
 request are generated as one batch. The model name in requests is not checked, so clients that
@@ -17,6 +23,7 @@ prefix names (litellm's "openai/...") work. Serves loopback by default: there is
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import threading
@@ -29,6 +36,8 @@ from typing import Any
 from envace.backends.base import Completion, SamplingParams
 from envace.backends.hf import HFGenerator
 from envace.config import ConfigError, field
+from envace.parsing import ParseError, parse_act
+from envace.transcript import Transcript, compact_json
 
 DEFAULT_MAX_TOKENS = 256  # when a request sets neither max_tokens nor max_completion_tokens
 
@@ -55,6 +64,36 @@ def _text_content(content: Any) -> str:
     return content or ""
 
 
+def _chat_message(message: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI chat message as envace renders it: text content, tool calls as the policy's blocks."""
+    content = _text_content(message.get("content"))
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function", {})
+        arguments = fn.get("arguments") or {}
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments or "{}")
+            except json.JSONDecodeError as err:
+                raise RequestError(f"tool call arguments are not JSON: {err}") from err
+        content += f"<tool_call>{compact_json({'name': fn.get('name', ''), 'arguments': arguments})}</tool_call>"
+    return {"role": message.get("role", "user"), "content": content}
+
+
+def assistant_reply(text: str, with_tools: bool) -> tuple[dict[str, Any], str | None]:
+    """(message, finish reason override): parsed `tool_calls` when tools were offered."""
+    if not with_tools:
+        return {"role": "assistant", "content": text}, None
+    try:
+        parsed = parse_act(text)
+    except ParseError:
+        return {"role": "assistant", "content": text}, None
+    if parsed.is_answer:
+        return {"role": "assistant", "content": text}, None
+    calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+              "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in parsed.calls]
+    return {"role": "assistant", "content": parsed.text.strip() or None, "tool_calls": calls}, "tool_calls"
+
+
 def _strip_stop(text: str, completion: Completion, stops: tuple[str, ...]) -> str:
     if completion.finish_reason == "stop":
         for s in stops:
@@ -72,6 +111,10 @@ class CompletionService:
         self.model_name = model_name
         self.vocab_size = generator.model.get_input_embeddings().num_embeddings
         self.lock = threading.Lock()  # HFGenerator is not thread-safe
+
+    @functools.cached_property
+    def transcript(self) -> Transcript:
+        return Transcript(self.tokenizer)
 
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "envace"}]}
@@ -141,20 +184,27 @@ class CompletionService:
             choices.append(choice)
         return self._envelope("text_completion", choices, prompts, completions, n)
 
+    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
+        """Token ids of an OpenAI chat request: the chat template, and with tools as envace renders them."""
+        messages = [_chat_message(m) for m in messages]
+        if tools:
+            return self.transcript.prompt(messages, "", tools).token_ids
+        rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.encode(rendered, add_special_tokens=False)
+
     def chat(self, body: dict[str, Any]) -> dict[str, Any]:
         params, n = self.params(body), self.choices_per_prompt(body)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise RequestError("messages must be a non-empty list")
-        messages = [{"role": m.get("role", "user"), "content": _text_content(m.get("content"))} for m in messages]
-        rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        prompts = [self.tokenizer.encode(rendered, add_special_tokens=False)]
+        tools = body.get("tools") or []
+        prompts = [self.chat_prompt(messages, tools)]
         completions = self.run(prompts, params, n)
         choices = []
         for index, c in enumerate(completions):
             content = _strip_stop(self.tokenizer.decode(c.token_ids, skip_special_tokens=True), c, params.stop_strings)
-            choices.append({"index": index, "message": {"role": "assistant", "content": content},
-                            "finish_reason": c.finish_reason, "logprobs": None})
+            message, finish = assistant_reply(content, bool(tools))
+            choices.append({"index": index, "message": message, "finish_reason": finish or c.finish_reason, "logprobs": None})
         return self._envelope("chat.completion", choices, prompts, completions, n)
 
 
