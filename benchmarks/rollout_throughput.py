@@ -6,6 +6,12 @@
 "no cache": every turn re-encodes the whole transcript (what a stateless engine does); within a
 turn decoding still uses a cache. Greedy decoding, so both runs produce the same trajectories up
 to numerical noise. Writes benchmarks/results/rollout_throughput.json.
+
+    python benchmarks/rollout_throughput.py --compare prompts --k 4
+
+"--compare prompts": K sampled rollouts per task (as a GRPO step draws them), with the task's
+prompt encoded once for its K sessions ("shared") or once per session ("per session"); same seed.
+Writes benchmarks/results/rollout_shared_prompts.json.
 """
 
 from __future__ import annotations
@@ -55,10 +61,10 @@ class NoCrossTurnCache:
         return outs
 
 
-def run(generator: Any, tasks: list, config: RolloutConfig) -> dict[str, float]:
+def run(generator: Any, tasks: list, config: RolloutConfig, k: int = 1) -> dict[str, float]:
     engine = RolloutEngine(generator, WorldEnvironment(), config)
     start = time.perf_counter()
-    groups = engine.run(tasks, progress=False)
+    groups = engine.run(tasks, k=k, progress=False)
     seconds = time.perf_counter() - start
     trajs = [t for g in groups for t in g]
     generated = sum(t.num_tokens(Role.ACT) for t in trajs)
@@ -75,11 +81,16 @@ def main() -> None:
     p.add_argument("--max-turns", type=int, default=4)
     p.add_argument("--max-turn-tokens", type=int, default=48)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default="benchmarks/results/rollout_throughput.json")
+    p.add_argument("--compare", choices=["cache", "prompts"], default="cache")
+    p.add_argument("--k", type=int, default=4, help="rollouts per task (--compare prompts)")
+    p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
     tasks = builtin_tasks("test", args.n_per_world, difficulty=args.difficulty)
+    if args.compare == "prompts":
+        compare_prompt_sharing(model, tokenizer, tasks, args)
+        return
     config = RolloutConfig(mode="real", temperature=0.0, max_turns=args.max_turns, max_turn_tokens=args.max_turn_tokens)
     results = {}
     for name, make in (("cache", lambda: HFGenerator(model, tokenizer)), ("no_cache", lambda: NoCrossTurnCache(HFGenerator(model, tokenizer)))):
@@ -94,8 +105,26 @@ def main() -> None:
         "identical_actions": same,
     }
     print(f"speed-up with the cross-turn cache: {summary['speedup']:.2f}x; prefill tokens {summary['prefill_ratio']:.2f}x fewer; identical actions: {same}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(summary, indent=2))
+    write(summary, args.out or "benchmarks/results/rollout_throughput.json")
+
+
+def compare_prompt_sharing(model: Any, tokenizer: Any, tasks: list, args: argparse.Namespace) -> None:
+    config = RolloutConfig(mode="real", temperature=1.0, max_turns=args.max_turns, max_turn_tokens=args.max_turn_tokens)
+    results = {}
+    for name, share in (("shared", True), ("per_session", False)):
+        results[name] = run(HFGenerator(model, tokenizer, seed=0, share_prompts=share), tasks, config, k=args.k)
+        results[name].pop("acts")
+        print(f"{name:11s} {results[name]['seconds']:7.1f} s  prefill {results[name]['prefill_tokens']} tokens", flush=True)
+    summary = {"model": args.model, "tasks": len(tasks), "k": args.k, "threads": args.threads, "config": vars(args), **results,
+               "speedup": results["per_session"]["seconds"] / results["shared"]["seconds"],
+               "prefill_ratio": results["per_session"]["prefill_tokens"] / max(1, results["shared"]["prefill_tokens"])}
+    print(f"shared prompts: {summary['speedup']:.2f}x faster, {summary['prefill_ratio']:.2f}x fewer prefill tokens")
+    write(summary, args.out or "benchmarks/results/rollout_shared_prompts.json")
+
+
+def write(summary: dict[str, Any], path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":

@@ -107,6 +107,33 @@ def test_padded_batch_logits_match_single_forward(model, prompts):
             assert (logits[row] - expected).abs().max() < TOL
 
 
+def test_sessions_starting_from_one_prompt_encode_it_once(model, tokenizer, prompts):
+    """K rollouts of one task: the shared prompt is prefilled once, each session still samples
+    its own continuation, and greedy results equal separate generation."""
+    prompt, other = prompts[2], prompts[0]
+    greedy = SamplingParams(max_new_tokens=6, temperature=0)
+    alone = HFGenerator(model, tokenizer)
+    [expected] = alone.generate(alone.open(1), [prompt], greedy)
+    [expected_other] = alone.generate(alone.open(1), [other], greedy)
+
+    gen = HFGenerator(model, tokenizer)
+    ids = gen.open(4)
+    outs = gen.generate(ids, [prompt, prompt, other, prompt], greedy)
+    assert [o.token_ids for o in outs] == [expected.token_ids] * 2 + [expected_other.token_ids] + [expected.token_ids]
+    for a, b in zip(outs[0].logprobs, expected.logprobs):
+        assert abs(a - b) < TOL
+    assert gen.stats.prefill_tokens == (len(prompt) - 1) + 3 + len(other)  # prompt once, then its last token per session
+    # Later turns continue each session from its own cache.
+    follow = [tokenizer.encode(" and")] * 4
+    again = gen.generate(ids, follow, greedy)
+    ref = alone.generate([0], [follow[0]], greedy)[0]
+    assert again[0].token_ids == again[1].token_ids == ref.token_ids
+
+    sampled = HFGenerator(model, tokenizer, seed=3)
+    outs = sampled.generate(sampled.open(4), [prompt] * 4, SamplingParams(max_new_tokens=8, temperature=1.0))
+    assert len({tuple(o.token_ids) for o in outs}) > 1  # one prefill, still four different samples
+
+
 def test_prefill_never_reencodes_prefix(model, tokenizer, prompts):
     gen = HFGenerator(model, tokenizer)
     turns = three_turns(prompts, tokenizer)

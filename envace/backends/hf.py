@@ -169,12 +169,13 @@ def finish_reason(tokens: list[int], params: SamplingParams, tokenizer: Any) -> 
 class HFGenerator:
     """`Generator` over a local transformers causal LM (see the module docstring for the design)."""
 
-    def __init__(self, model: Any, tokenizer: Any, seed: int = 0, max_batch: int | None = None):
+    def __init__(self, model: Any, tokenizer: Any, seed: int = 0, max_batch: int | None = None, share_prompts: bool = True):
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be >= 1 or None, got {max_batch}")
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch = max_batch
+        self.share_prompts = share_prompts  # encode a prompt once for the sessions that start from it
         self.stats = GenStats(extra={"decode_tokens": 0})
         self.device = next(model.parameters()).device
         self.pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
@@ -246,8 +247,35 @@ class HFGenerator:
             raise ValueError(f"sessions {empty} have no tokens to condition on: pass the prompt")
         return states
 
+    def _share_prompts(self, states: list[_Session], chunks: list[list[int]]) -> list[list[int]]:
+        """Sessions that start from the same prompt in one call (K rollouts of a task, N parallel
+        rehearsals) encode it once: all but its last token are prefilled for one copy and the
+        compact cache is shared (cache tensors are never written in place). Each session then
+        feeds only the last token, so each still samples its own continuation."""
+        if not self.share_prompts:
+            return chunks
+        first: dict[tuple[int, ...], int] = {}
+        for i, (s, chunk) in enumerate(zip(states, chunks)):
+            if s.kv is None and len(chunk) > 1:
+                first.setdefault(tuple(chunk), i)
+        shared = {key: [i for i, c in enumerate(chunks) if states[i].kv is None and tuple(c) == key] for key in first}
+        shared = {key: rows for key, rows in shared.items() if len(rows) > 1}
+        if not shared:
+            return chunks
+        prefix = _Batch([list(key[:-1]) for key in shared], [None] * len(shared), self.pad_id, self.device)
+        prefix.forward(self.model)
+        self.stats.prefill_tokens += sum(len(key) - 1 for key in shared)
+        chunks = list(chunks)
+        for row, (key, rows) in enumerate(shared.items()):
+            kv = prefix.row_kv(row)
+            for i in rows:
+                states[i].kv = kv
+                chunks[i] = [key[-1]]
+        return chunks
+
     def _generate_batch(self, states: list[_Session], new_tokens: list[list[int]], params: SamplingParams) -> list[Completion]:
         chunks = [s.tokens[s.cached:] + list(new) for s, new in zip(states, new_tokens)]
+        chunks = self._share_prompts(states, chunks)
         batch = _Batch(chunks, [s.kv for s in states], self.pad_id, self.device)
         for s in states:
             s.kv = None  # the batch owns the cache now: never hold two copies
