@@ -151,6 +151,25 @@ def test_existing_run_needs_resume_flag(tmp_path, task_file):
         Trainer(build(TrainConfig, dict(SMALL, tasks=task_file, output_dir=str(tmp_path / "r"), lr=0.5, resume=True)))
 
 
+def test_resume_accepts_a_run_saved_before_an_option_existed(tmp_path):
+    """A run saved by an older envace lacks newer options: they count as their defaults."""
+    import yaml
+
+    from envace import config as cfgmod
+    from envace.training.setup import check_resume
+
+    cfg = build(TrainConfig, dict(tiny=True, output_dir=str(tmp_path)))
+    (tmp_path / "checkpoints" / "step-00000001").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-00000001" / "state.json").write_text("{}")
+    saved = cfgmod.to_dict(cfg)
+    del saved["on_malformed"]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert check_resume(tmp_path, cfg, resume=True) is not None
+    cfg.on_malformed = "continue"
+    with pytest.raises(ConfigError, match="options differ.*on_malformed"):
+        check_resume(tmp_path, cfg, resume=True)
+
+
 @pytest.mark.slow
 def test_killed_run_resumes_from_last_checkpoint(tmp_path, task_file):
     """SIGKILL a training process after its first checkpoint; --resume finishes the run."""

@@ -164,7 +164,9 @@ def check_resume(path: Path, cfg: Any, resume: bool) -> Path | None:
     saved = yaml.safe_load((path / "config.yaml").read_text()) if (path / "config.yaml").is_file() else None
     current = cfgmod.to_dict(cfg)
     if saved is not None:
-        changed = sorted(k for k in current if k not in ("resume", "progress", "steps") and saved.get(k) != current[k])
+        # An option the saved run predates counts as its default (a newer envace resumes older runs).
+        defaults = cfgmod.to_dict(type(cfg)())
+        changed = sorted(k for k in current if k not in ("resume", "progress", "steps") and saved.get(k, defaults.get(k)) != current[k])
         if changed:
             raise ConfigError(f"cannot resume {path}: options differ from the saved run: {', '.join(changed)}")
     return latest
