@@ -254,12 +254,11 @@ class HFGenerator:
         feeds only the last token, so each still samples its own continuation."""
         if not self.share_prompts:
             return chunks
-        first: dict[tuple[int, ...], int] = {}
+        by_prompt: dict[tuple[int, ...], list[int]] = {}
         for i, (s, chunk) in enumerate(zip(states, chunks)):
             if s.kv is None and len(chunk) > 1:
-                first.setdefault(tuple(chunk), i)
-        shared = {key: [i for i, c in enumerate(chunks) if states[i].kv is None and tuple(c) == key] for key in first}
-        shared = {key: rows for key, rows in shared.items() if len(rows) > 1}
+                by_prompt.setdefault(tuple(chunk), []).append(i)
+        shared = {key: rows for key, rows in by_prompt.items() if len(rows) > 1}
         if not shared:
             return chunks
         prefix = _Batch([list(key[:-1]) for key in shared], [None] * len(shared), self.pad_id, self.device)
