@@ -121,6 +121,13 @@ def micro_batches(rows: list[Row], max_tokens: int) -> Iterator[list[Row]]:
         yield batch
 
 
+def global_sum(accelerator: Any, value: float) -> float:
+    """`value` summed over the processes of an `accelerate launch` (itself in one process)."""
+    if accelerator.num_processes == 1:
+        return value
+    return float(accelerator.reduce(torch.tensor(float(value), device=accelerator.device), "sum"))
+
+
 def shared_run_dir(accelerator: Any, output_dir: str | None, prefix: str) -> Path:
     """The run directory, named by the main process and broadcast: a timestamped default
     could differ between the processes of one `accelerate launch`."""

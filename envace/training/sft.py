@@ -24,7 +24,7 @@ from envace.rewards import Context, replay_reward
 from envace.rollout import RolloutConfig, RolloutEngine
 from envace.training.manifest import build_manifest, write_manifest
 from envace.training.setup import (TrainingOptions, backward_micro_batches, check_resume, load_trainable, make_accelerator, make_optimizer,
-                                   make_scheduler, seed_everything, shared_run_dir)
+                                   global_sum, make_scheduler, seed_everything, shared_run_dir)
 from envace.transcript import compact_json
 from envace.types import Role, Task, Trajectory
 
@@ -91,7 +91,7 @@ def nll_step(model: Any, rows: list[Row], pad_id: int, max_tokens: int, accelera
     the step's rows); returns the loss over every process's rows."""
     local = float(sum(sum(r.loss_mask) for r in rows))
     # DDP averages gradients over processes: normalise by the mean token count per process.
-    total = float(accelerator.reduce(torch.tensor(local, device=accelerator.device), "sum")) if accelerator.num_processes > 1 else local
+    total = global_sum(accelerator, local)
 
     def loss_fn(batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
         logprobs, _ = sequence_logprobs(model, batch)
@@ -99,7 +99,7 @@ def nll_step(model: Any, rows: list[Row], pad_id: int, max_tokens: int, accelera
         return loss, {"loss": loss.item() / accelerator.num_processes}
 
     loss_sum = sum(m["loss"] for m in backward_micro_batches(accelerator, model, rows, max_tokens, pad_id, loss_fn))
-    return float(accelerator.reduce(torch.tensor(loss_sum, device=accelerator.device), "sum")) if accelerator.num_processes > 1 else loss_sum
+    return global_sum(accelerator, loss_sum)
 
 
 def run_sft(cfg: SFTConfig) -> dict[str, Any]:

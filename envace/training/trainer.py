@@ -33,7 +33,7 @@ from envace.rewards import REWARDS, Context, compute_rewards
 from envace.rollout import RolloutConfig, RolloutEngine, rollout_config_from
 from envace.training.manifest import build_manifest, write_manifest
 from envace.training.setup import (TrainingOptions, backward_micro_batches, check_resume, load_trainable, make_accelerator, make_optimizer,
-                                   make_scheduler, seed_everything, shared_run_dir, timed)
+                                   global_sum, make_scheduler, seed_everything, shared_run_dir, timed)
 from envace.types import Task, Trajectory
 
 Variant = Literal["envace", "real-grpo", "simulator", "no-share", "act-only"]
@@ -268,12 +268,12 @@ class Trainer:
         optimizer, scheduler = self.models.optimizers[name], self.models.schedulers[name]
         model.train()
         optimizer.zero_grad(set_to_none=True)
-        total = self._global_sum(sum(sum(r.loss_mask) for r in rows))
+        total = global_sum(self.accelerator, sum(sum(r.loss_mask) for r in rows))
         # DDP averages gradients over processes: scale the denominator so the result is the
         # token mean over every process's tokens.
         denom = total / self.accelerator.num_processes
         sums: dict[str, float] = {}
-        if not self._global_sum(sum(1 for r in rows for a, m in zip(r.advantages, r.loss_mask) if m and a)):
+        if not global_sum(self.accelerator, sum(1 for r in rows for a, m in zip(r.advantages, r.loss_mask) if m and a)):
             # No learning signal (e.g. every group had equal rewards): a step would only apply
             # weight decay and move Adam's moments, so the weights stay as they are. The
             # schedule still advances so it stays aligned with the step count.
@@ -303,16 +303,11 @@ class Trainer:
         compute_rewards(self.cfg.reward, groups, tasks, Context(env=self.env))
         records = [trajectory_record(t, tr) for t, g in zip(tasks, groups) for tr in g]
         summary = summarize_records(records)
-        rollout_calls = int(self._global_sum(sum(tr.real_env_calls for g in groups for tr in g)))
+        rollout_calls = int(global_sum(self.accelerator, sum(tr.real_env_calls for g in groups for tr in g)))
         self.real_env_calls += rollout_calls
         keys = ("success_rate", "mean_reward", "tokens_per_task", "malformed", "fidelity/exact", "fidelity/field_f1", "fidelity/calls")
         out = {k if k != "mean_reward" else "reward/mean": summary[k] for k in keys if k in summary}
         return out | {"env/real_calls_step": rollout_calls, "env/real_calls_total": self.real_env_calls}
-
-    def _global_sum(self, value: float) -> float:
-        if self.accelerator.num_processes == 1:
-            return value
-        return float(self.accelerator.reduce(torch.tensor(float(value), device=self.accelerator.device), "sum"))
 
     def _global_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """One value per metric over all processes: counts are summed, the rest averaged."""
