@@ -143,5 +143,44 @@ def test_offline_status_names_what_cannot_run(bench):
     status = bench.offline_status()
     assert status["multi_turn_base"] == "ok" and status["simple_python"] == "ok"
     assert "paid" in status["web_search_base"] and "hub" in status["memory_vector"]
+    assert status["memory_kv"] == "ok" and status["memory_rec_sum"] == "ok"
     with pytest.raises(ValueError, match="paid"):
         bench.load_tasks(categories=["web_search_base"])
+
+
+def test_memory_questions_and_their_prerequisite_chain(bench):
+    from envace.evaluation.runner import dependency_waves
+
+    tasks = bench.load_tasks(categories=["memory_kv"])
+    assert len(tasks) == 155 and [t.id for t in tasks[:2]] == ["memory_kv_0-customer-0", "memory_kv_1-customer-1"]
+    first = tasks[0]
+    assert first.messages == [{"role": "user", "content": "What is my first name?"}] and first.metadata["ground_truth"] == ["Michael"]
+    assert first.metadata["memory"]["system"].startswith("For your final answer") and not first.metadata["prerequisite"]
+    setup = bench.prerequisites(tasks[:3])  # all three are customer questions: one scenario's chain
+    assert len(setup) == 10 and all(t.metadata["prerequisite"] and t.metadata["memory"]["scenario"] == "customer" for t in setup)
+    assert [len(w) for w in dependency_waves(setup)] == [1] * 10  # each conversation after all earlier ones
+    assert len(bench.prerequisites(tasks)) == 37 and bench.prerequisites(bench.load_tasks(categories=["multi_turn_base"], limit=1)) == []
+
+
+def test_memory_answer_is_bfcls_agentic_check_of_the_last_text(bench):
+    [task] = bench.load_tasks(categories=["memory_rec_sum"], limit=1)
+
+    def scored(*assistant):
+        chat = [{"role": "user", "content": "q"}] + [{"role": "assistant", "content": a} for a in assistant]
+        return bench.score(task, Trajectory(task_id=task.id, mode="real", messages=chat))
+
+    assert scored("{'answer': 'MICHAEL.', 'context': 'memory'}")[0] == 1.0  # case and punctuation ignored
+    assert scored("Michael", "{'answer': 'I do not know'}")[0] == 0.0  # only the last message counts
+    assert scored("{'answer': 'Michaelson'}")[0] == 0.0  # a whole word
+    called = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<tool_call>...</tool_call>"}, {"role": "tool", "content": {}}]
+    value, details = bench.score(task, Trajectory(task_id=task.id, mode="real", messages=called))
+    assert value == 0.0 and details["error_type"] == "agentic:no_last_message"
+    with pytest.raises(ValueError, match="BFCL does not score it"):
+        bench.score(bench.prerequisites([task])[0], Trajectory(task_id="p", mode="real"))
+
+
+def test_aggregate_weighs_memory_as_bfcls_agentic_group(bench):
+    rows = [{"category": "memory_kv", "score": s} for s in (1, 0)] + [{"category": "memory_rec_sum", "score": 1}] + [{"category": "multi_turn_base", "score": 0}]
+    summary = bench.aggregate(rows)
+    assert summary["groups"] == {"multi_turn": 0.0, "agentic": pytest.approx((0.5 + 1.0) / 2)}
+    assert summary["overall"] == pytest.approx(40 * 0.75 / (30 + 40))

@@ -123,3 +123,66 @@ def test_tau2_reference_actions_through_the_engine_score_one_and_a_dropped_one_l
             assert [m["role"] for m in traj.messages[:3]] == ["system", "assistant", "user"]  # greeting, then the user
         perturbed = run_scored(tau2, task, tau2_policy(tokenizer, task, task.reference_calls[:-1]))
         assert perturbed.reward < 1.0, task.id
+
+
+# ---- BFCL memory: the policy writes the memory in prerequisite conversations, then answers ----
+
+ANSWER = "{'answer': '%s', 'context': 'from my memory'}"
+
+
+def memory_policy(tokenizer, write: dict | None) -> ScriptedGenerator:
+    """In a prerequisite conversation: `write` (a memory call) right after the user gives their name,
+    else a short reply. In a scored question (BFCL's answer-format prompt): the name if the system
+    prompt's memory holds it, else BFCL's "I do not know"."""
+
+    def reply(text: str) -> str:
+        system, last = text.split("<|im_start|>user", 1)[0], since_last_user(text)
+        if "For your final answer to the user" in system:
+            return ANSWER % ("Michael" if "Michael" in system else "I do not know")
+        if write and "My name is Michael" in last and "<|im_start|>tool" not in last:
+            return tool_calls_text([write])
+        return "Thanks, noted."
+
+    return ScriptedGenerator(tokenizer, reply)
+
+
+def run_memory(bfcl, policy, category, limit=1):
+    from envace.config import build
+    from envace.evaluation.runner import EvalConfig, run_prerequisites
+
+    cfg = build(EvalConfig, {"benchmark": "bfcl", "progress": False, "max_turn_tokens": 8192, "max_total_tokens": 200_000})
+    tasks = bfcl.load_tasks(categories=[category], limit=limit)
+    setup = run_prerequisites(cfg, policy, bfcl, tasks, "test")
+    groups = RolloutEngine(policy, bfcl, ROOMY).run(tasks, progress=False)
+    compute_rewards("benchmark", groups, tasks, Context(env=bfcl))
+    return setup, [g[0] for g in groups]
+
+
+@pytest.mark.parametrize("category,write", [
+    ("memory_kv", {"name": "core_memory_add", "arguments": {"key": "user_first_name", "value": "Michael"}}),
+    ("memory_rec_sum", {"name": "memory_append", "arguments": {"text": "The user's first name is Michael."}}),
+])
+def test_bfcl_memory_written_in_prerequisites_answers_the_question(tokenizer, bfcl, category, write):
+    setup, [traj] = run_memory(bfcl, memory_policy(tokenizer, write), category)
+    assert traj.task_id == f"{category}_0-customer-0" and traj.reward == 1.0, traj.reward_details
+    # BFCL's chain: the 10 customer conversations ran in order, each starting from the memory the
+    # previous one saved; the first started empty.
+    assert len(setup.groups) == 10 and all(g[0].end_reason == EndReason.ANSWERED for g in setup.groups)
+    systems = [g[0].messages[0]["content"] for g in setup.groups]
+    assert "There is no content in the" in systems[0] and all("Michael" in s for s in systems[1:])
+    assert "Michael" in json.dumps(setup.groups[-1][0].reward_details["benchmark"]["memory"])
+    # The question's system message: BFCL's memory prompt with the memory, then the answer format.
+    assert traj.messages[0]["content"].index("Michael") < traj.messages[0]["content"].index("For your final answer")
+
+
+def test_bfcl_memory_question_fails_when_nothing_was_written(tokenizer, bfcl):
+    _, [traj] = run_memory(bfcl, memory_policy(tokenizer, None), "memory_kv")
+    assert traj.reward == 0.0 and traj.reward_details["answer"] == ANSWER % "I do not know"
+
+
+def test_bfcl_memory_question_without_its_prerequisites_is_an_error(tokenizer):
+    pytest.importorskip("bfcl_eval")
+    fresh = BENCHMARKS.get("bfcl")()
+    [task] = fresh.load_tasks(categories=["memory_kv"], limit=1)
+    with pytest.raises(RuntimeError, match="has not been written yet: roll out bench.prerequisites"):
+        RolloutEngine(memory_policy(tokenizer, None), fresh, ROOMY).run([task], progress=False)

@@ -104,6 +104,22 @@ def test_benchmark_summary_has_categories_aggregate_and_time(tmp_path, tokenizer
     assert record["category"] == "multi_turn_base"
 
 
+def test_memory_prerequisites_run_first_and_are_reported_not_scored(tmp_path, tokenizer):
+    from tests.test_bench_engine import memory_policy
+
+    needs("bfcl_eval")
+    cfg = config(tmp_path, benchmark="bfcl", categories=["memory_kv"], limit=1, max_total_tokens=200_000, max_turn_tokens=4096, mode="rehearse")
+    write = {"name": "core_memory_add", "arguments": {"key": "first_name", "value": "Michael"}}
+    summary = run_benchmark_eval(cfg, memory_policy(tokenizer, write))
+    assert summary["overall"]["n"] == 1 and summary["benchmark"]["aggregate"]["groups"] == {"agentic": 1.0}
+    prereq = summary["prerequisites"]
+    # In real mode although the scored question ran in rehearse mode: they write the real memory.
+    assert prereq["n"] == 10 and prereq["end_reasons"] == {"answered": 10} and prereq["real_env_calls"] == 1
+    out = tmp_path / "out"
+    assert len((out / "prerequisites.jsonl").read_text().splitlines()) == 10
+    assert "Prerequisites (unscored, real mode, run first): 10 tasks" in (out / "summary.md").read_text()
+
+
 def test_rehearse_mode_reports_fidelity_against_replayed_calls(tmp_path, tokenizer):
     cfg, task = bfcl_reference(tmp_path, mode="rehearse")
     policy = reference_policy(tokenizer, task.reference_calls)

@@ -95,3 +95,17 @@ def test_eval_with_private_rehearsal_reports_cost(tokenizer):
 def test_rehearsal_needs_real_mode():
     with pytest.raises(ConfigError, match="--mode real"):
         build(EvalConfig, {"rehearsal": "parallel", "mode": "rehearse"})
+
+
+def test_dependency_waves_order_tasks_after_what_they_depend_on():
+    from envace.evaluation.runner import dependency_waves
+
+    def task(i, *deps):
+        return Task(id=i, world="w", messages=[], metadata={"depends_on": list(deps)})
+
+    waves = dependency_waves([task("d", "b", "c"), task("b", "a"), task("a"), task("c", "a"), task("e")])
+    assert [[t.id for t in w] for w in waves] == [["a", "e"], ["b", "c"], ["d"]]
+    with pytest.raises(ValueError, match="not given or depend on each other in a cycle"):
+        dependency_waves([task("x", "y"), task("y", "x")])
+    with pytest.raises(ValueError, match="tasks z depend on tasks that are not given"):
+        dependency_waves([task("z", "missing")])

@@ -72,6 +72,14 @@ class Benchmark:
         """A fresh executable world for this task (real mode and replay)."""
         raise NotImplementedError
 
+    def prerequisites(self, tasks: list[Task]) -> list[Task]:
+        """Unscored tasks the policy under evaluation must roll out before `tasks` can run, in real
+        mode and in the order their metadata `depends_on` (ids) gives: their worlds leave state
+        (`rollout_record`) that the scored tasks' worlds read (BFCL memory: the policy first writes
+        the memory in earlier conversations). `envace eval` runs them (`run_prerequisites`). Most
+        benchmarks have none."""
+        return []
+
     def describe(self, task: Task) -> tuple[str, list[dict[str, Any]]]:
         """(documentation for the system prompt, OpenAI tool schemas): the benchmark's own
         instructions already live in `task.messages`, so the documentation is empty."""

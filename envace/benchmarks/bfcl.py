@@ -17,6 +17,11 @@ Task metadata (besides benchmark/category):
   max_steps_per_turn   BFCL's step limit per user turn (exceeding it fails the task in BFCL)
   stop_after_first_act single-turn only: BFCL queries the model once; only the calls of the first ACT
                        output are scored (the engine should end the rollout after it)
+  memory               memory categories only: {"scenario", "backend" (BFCL's MemoryAPI class),
+                       "system" (BFCL's own system message of the entry, or None)}
+  prerequisite         True for a memory scenario's prerequisite conversation (`prerequisites`), in
+                       which the policy writes the memory the scored questions read; not scored
+  depends_on           the prerequisite conversations (ids) that must have run before this one
 """
 
 from __future__ import annotations
@@ -28,32 +33,34 @@ import inspect
 import json
 import os
 import re
+import shutil
 import sys
+import tempfile
 import types
 import uuid
 import weakref
 from pathlib import Path
 from typing import Any
 
-from envace.benchmarks.base import BENCHMARKS, Benchmark, UnexecutableWorld, category_accuracy, completed, requirements
+from envace.benchmarks.base import BENCHMARKS, Benchmark, UnexecutableWorld, assistant_texts, category_accuracy, completed, requirements
 from envace.envs.base import ToolWorld, error
 from envace.types import Task, ToolCall, Trajectory
 
-PIP = "pip install --no-deps bfcl-eval==2026.3.23 mpmath tree_sitter==0.21.3 tree-sitter-java==0.21.0 tree-sitter-javascript==0.21.4 tenacity"
+PIP = ("pip install --no-deps bfcl-eval==2026.3.23 mpmath tree_sitter==0.21.3 tree-sitter-java==0.21.0 "
+       "tree-sitter-javascript==0.21.4 tenacity overrides==7.7.0 rank-bm25==0.2.2")
 # The model name BFCL's checkers see: an OpenAI-style function-calling model, whose tool names had
 # "." replaced by "_" (BFCL's `underscore_to_dot`).
 CHECKER_MODEL = "envace_fc"
 IDENTIFIER = re.compile(r"[A-Za-z_]\w*\Z")
 
 MULTI_TURN = ("multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param", "multi_turn_long_context")
+MEMORY = ("memory_kv", "memory_rec_sum")  # memory_vector needs an embedding model from the hub
 NON_LIVE = ("simple_python", "simple_java", "simple_javascript", "multiple", "parallel", "parallel_multiple", "irrelevance")
 LIVE = ("live_simple", "live_multiple", "live_parallel", "live_parallel_multiple", "live_irrelevance", "live_relevance")
 UNSUPPORTED = {
     "web_search_base": "needs a paid web-search API (SerpAPI key)",
     "web_search_no_snippet": "needs a paid web-search API (SerpAPI key)",
     "memory_vector": "loads a sentence-transformers embedding model from the hub",
-    "memory_kv": "offline in BFCL, but not supported by this adapter (memory prerequisite conversations)",
-    "memory_rec_sum": "offline in BFCL, but not supported by this adapter (memory prerequisite conversations)",
 }
 # BFCL's overall: weight of each group (eval_runner_helper.generate_leaderboard_csv).
 GROUP_WEIGHTS = {"non_live": 10, "live": 10, "irrelevance": 10, "multi_turn": 30, "agentic": 40}
@@ -67,13 +74,14 @@ def bfcl() -> types.SimpleNamespace:
     with requirements(PIP):
         from bfcl_eval import utils
         from bfcl_eval.constants import default_prompts, enums, executable_backend_config, type_mappings
+        from bfcl_eval.eval_checker.agentic_eval.agentic_checker import agentic_checker
         from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_checker, multi_turn_utils
         from bfcl_eval.model_handler import utils as handler_utils
 
         return types.SimpleNamespace(
             utils=utils, enums=enums, prompts=default_prompts, backends=executable_backend_config,
             types=type_mappings, checker=multi_turn_checker, executor=multi_turn_utils, handler=handler_utils,
-            ast_checker=_ast_checker(),
+            ast_checker=_ast_checker(), agentic_checker=agentic_checker,
         )
 
 
@@ -167,8 +175,9 @@ class BFCLWorld(ToolWorld):
 
     name = "bfcl"
 
-    def __init__(self, task: Task):
+    def __init__(self, task: Task, initial_config: dict[str, Any] | None = None):
         self.meta = task.metadata
+        self.initial_config = task.metadata.get("initial_config", {}) if initial_config is None else initial_config
         self.tools = list(task.tools or []) + [t for added in self.meta.get("added_tools", []) for t in added["tools"]]
         self._run: _Instances | None = None
         self.instances: dict[str, Any] = {}
@@ -187,7 +196,7 @@ class BFCLWorld(ToolWorld):
     def _execute(self, calls: list[str]) -> list[str]:
         m = self.meta
         results, self.instances = bfcl().executor.execute_multi_turn_func_call(
-            calls, m["initial_config"], m["involved_classes"], self._run.key, m["bfcl_id"], long_context=m["long_context"]
+            calls, self.initial_config, m["involved_classes"], self._run.key, m["bfcl_id"], long_context=m["long_context"]
         )
         return results
 
@@ -236,6 +245,26 @@ def multi_turn_task(entry: dict[str, Any], ground_truth: list[list[str]], catego
             "initial_config": entry.get("initial_config", {}), "long_context": "long_context" in category,
             "ground_truth": ground_truth, "max_steps_per_turn": bfcl().prompts.MAXIMUM_STEP_LIMIT,
             "added_tools": [{"user_turn": i, "tools": openai_tools(docs)} for i, docs in sorted(held_out.items())],
+        },
+    )
+
+
+def memory_task(entry: dict[str, Any], category: str, ground_truth: list[str] | None = None) -> Task:
+    """A memory entry: a scored question (`ground_truth`: BFCL's accepted answers) or, without one,
+    a prerequisite conversation. BFCL's system message of the entry (a question's answer-format
+    prompt) moves to metadata: `BFCL.describe` rebuilds the whole system message, with the memory as
+    it stands when the episode opens, as BFCL's handler does."""
+    first = [dict(m) for m in entry["question"][0]]
+    system = first.pop(0)["content"] if first and first[0]["role"] == "system" else None
+    return Task(
+        id=entry["id"], world=BFCL.name, messages=first, user_turns=[_turn_message(t, False) for t in entry["question"][1:]],
+        tools=openai_tools(entry["function"]), split="test",
+        metadata={
+            "benchmark": BFCL.name, "category": category, "bfcl_id": entry["id"], "multi_turn": True,
+            "needs_user_simulator": False, "involved_classes": entry["involved_classes"], "long_context": False,
+            "max_steps_per_turn": bfcl().prompts.MAXIMUM_STEP_LIMIT, "ground_truth": ground_truth,
+            "memory": {"scenario": entry["scenario"], "backend": entry["involved_classes"][0], "system": system},
+            "prerequisite": ground_truth is None, "depends_on": list(entry["depends_on"]),
         },
     )
 
@@ -303,7 +332,16 @@ def _mean(values: list[float]) -> float | None:
 @BENCHMARKS.register("bfcl")
 class BFCL(Benchmark):
     name = "bfcl"
-    categories = MULTI_TURN + NON_LIVE + LIVE
+    categories = MULTI_TURN + MEMORY + NON_LIVE + LIVE
+
+    @functools.cached_property
+    def memory_dir(self) -> Path:
+        """Where the memory categories' snapshots live for this instance (BFCL's `model_result_dir`):
+        each prerequisite conversation saves the memory there and the next entry of its scenario
+        loads it. A temporary folder, removed with the instance."""
+        path = Path(tempfile.mkdtemp(prefix="envace-bfcl-memory-"))
+        weakref.finalize(self, shutil.rmtree, path, ignore_errors=True)
+        return path
 
     def load_tasks(self, split: str = "test", limit: int | None = None, categories: list[str] | None = None) -> list[Task]:
         """Tasks of the given categories (default: all that run offline), `limit` per category."""
@@ -318,6 +356,8 @@ class BFCL(Benchmark):
 
     def _load_category(self, category: str, limit: int | None) -> list[Task]:
         u = bfcl().utils
+        if category in MEMORY:
+            return self._load_memory(category, limit)
         entries = u.load_dataset_entry(category)[:limit]
         if category in MULTI_TURN:
             truth = u.load_ground_truth_entry(category)
@@ -326,14 +366,73 @@ class BFCL(Benchmark):
         truth = None if u.is_relevance_or_irrelevance(category) else u.load_ground_truth_entry(category)
         return [single_turn_task(e, p["function"], truth[i]["ground_truth"] if truth else None, category) for i, (e, p) in enumerate(zip(entries, plain))]
 
+    def _load_memory(self, category: str, limit: int | None) -> list[Task]:
+        """The scored questions, in BFCL's order; their scenarios' prerequisite conversations come
+        from `prerequisites`."""
+        u = bfcl().utils
+        truth = {g["id"].replace("memory", category, 1): g["ground_truth"] for g in u.load_ground_truth_entry(category)}
+        questions = sorted((e for e in u.load_dataset_entry(category) if not u.is_memory_prereq(e["id"])), key=u.sort_key)
+        return [memory_task(e, category, truth[e["id"]]) for e in questions[:limit]]
+
+    def prerequisites(self, tasks: list[Task]) -> list[Task]:
+        """BFCL's prerequisite conversations of the memory scenarios among `tasks`: the policy under
+        evaluation writes the memory in them (chained by `depends_on`), the questions read it."""
+        u = bfcl().utils
+        needed = {(t.metadata["category"], t.metadata["memory"]["scenario"]) for t in tasks if "memory" in t.metadata}
+        return [
+            memory_task(e, category)
+            for category in sorted({c for c, _ in needed})
+            for e in sorted(u.load_dataset_entry(category), key=u.sort_key)
+            if u.is_memory_prereq(e["id"]) and (category, e["scenario"]) in needed
+        ]
+
+    def _memory_config(self, task: Task) -> dict[str, Any]:
+        """BFCL's initial_config of a memory entry (`populate_initial_settings_for_memory_test_cases`)
+        over `memory_dir`. Every entry but a scenario's first prerequisite loads the memory the
+        previous one saved; without it BFCL would start empty, so that is an error here."""
+        m, u = task.metadata, bfcl().utils
+        entry = {"id": m["bfcl_id"], "scenario": m["memory"]["scenario"], "involved_classes": m["involved_classes"]}
+        [entry] = u.populate_initial_settings_for_memory_test_cases([entry], self.memory_dir)
+        # The snapshot path as BFCL's MemoryAPI._prepare_snapshot lays it out.
+        saved = self.memory_dir / u.get_directory_structure_by_id(m["bfcl_id"]) / "memory_snapshot" / f"{m['memory']['scenario']}_final.json"
+        if not u.is_first_memory_prereq_entry(m["bfcl_id"]) and not saved.exists():
+            raise RuntimeError(f"{task.id}: the memory of scenario {m['memory']['scenario']!r} has not been written yet: roll out "
+                               "bench.prerequisites(tasks) first, in real mode and dependency order (envace eval does)")
+        return entry["initial_config"]
+
+    def describe(self, task: Task) -> tuple[str, list[dict[str, Any]]]:
+        """Memory entries: BFCL's memory system prompt with the memory's current content (built by
+        BFCL's `add_memory_instruction_system_prompt`), followed by the entry's own system message."""
+        memory = task.metadata.get("memory")
+        if memory is None:
+            return super().describe(task)
+        instance = self.make_world(task).instances[memory["backend"]]
+        turn = [{"role": "system", "content": memory["system"]}] if memory["system"] else [{"role": "user", "content": ""}]
+        [[system, *_]] = bfcl().handler.add_memory_instruction_system_prompt([turn], task.metadata["category"], memory["scenario"], instance)
+        return system["content"], list(task.tools or [])
+
+    def rollout_record(self, task: Task, world: ToolWorld) -> dict[str, Any]:
+        """Memory entries: the memory after the rollout. A prerequisite conversation also saves it
+        for the next entry of its scenario, as BFCL's handler does at the end of one."""
+        memory = task.metadata.get("memory")
+        if memory is None:
+            return {}
+        if task.metadata["prerequisite"]:
+            world.instances[memory["backend"]]._flush_memory_to_local_file()
+        return {"memory": world.snapshot()[memory["backend"]]}
+
     def make_world(self, task: Task) -> ToolWorld:
+        if "memory" in task.metadata:
+            return BFCLWorld(task, self._memory_config(task))
         if task.metadata["multi_turn"]:
             return BFCLWorld(task)
         return UnexecutableWorld("BFCL single-turn categories score the calls of one response; nothing is executed")
 
     def score(self, task: Task, trajectory: Trajectory) -> tuple[float, dict[str, Any]]:
         category = task.metadata["category"]
-        if task.metadata["multi_turn"]:
+        if "memory" in task.metadata:
+            result = self._score_memory(task, trajectory)
+        elif task.metadata["multi_turn"]:
             result = self._score_multi_turn(task, trajectory)
         elif bfcl().utils.is_relevance_or_irrelevance(category):
             called = bool(first_act_calls(trajectory))
@@ -360,6 +459,16 @@ class BFCL(Benchmark):
             run.forget()
         return json.loads(json.dumps(result, default=str))
 
+    def _score_memory(self, task: Task, trajectory: Trajectory) -> dict[str, Any]:
+        """BFCL's agentic checker on the agent's last message that is not a tool call: one of the
+        accepted answers must appear in it (case, whitespace and some punctuation ignored)."""
+        if task.metadata["prerequisite"]:
+            raise ValueError(f"{task.id} is a memory prerequisite conversation: BFCL does not score it")
+        texts = assistant_texts(trajectory)
+        if not texts:
+            return {"valid": False, "error_type": "agentic:no_last_message", "error": ["no agent message that is not a tool call"]}
+        return {**bfcl().agentic_checker(texts[-1], task.metadata["ground_truth"]), "answer": texts[-1]}
+
     def _score_ast(self, task: Task, trajectory: Trajectory) -> dict[str, Any]:
         b = bfcl()
         category = task.metadata["category"]
@@ -376,8 +485,9 @@ class BFCL(Benchmark):
         """Per-category accuracy and BFCL's own grouping/weighting, applied to the categories present:
         non-live = unweighted mean of (simple = mean of python/java/js simple, multiple, parallel,
         parallel_multiple); live = task-weighted mean of its four AST categories; irrelevance = mean of
-        irrelevance and live_irrelevance; multi-turn = unweighted mean of its four; overall = BFCL's
-        10/10/10/30/40 group weights, renormalised over the groups present (agentic never is)."""
+        irrelevance and live_irrelevance; multi-turn = unweighted mean of its four; agentic = memory =
+        unweighted mean of its backends present (web search never is); overall = BFCL's 10/10/10/30/40
+        group weights, renormalised over the groups present."""
         acc = category_accuracy(results)
         a = {c: v["accuracy"] for c, v in acc.items()}
 
@@ -392,11 +502,13 @@ class BFCL(Benchmark):
             "live": sum(a[c] * acc[c]["count"] for c in live) / sum(acc[c]["count"] for c in live) if live else None,
             "irrelevance": _mean([a[c] for c in present("irrelevance", "live_irrelevance")]),
             "multi_turn": _mean([a[c] for c in present(*MULTI_TURN)]),
+            # BFCL: agentic = mean(web search, memory), memory = mean of its backends; offline only memory.
+            "agentic": _mean([a[c] for c in present(*MEMORY)]),
         }
         groups = {g: v for g, v in groups.items() if v is not None}
         weight = sum(GROUP_WEIGHTS[g] for g in groups)
         overall = sum(v * GROUP_WEIGHTS[g] for g, v in groups.items()) / weight if weight else 0.0
         extra = {"relevance": a["live_relevance"]} if "live_relevance" in a else {}
         return {"categories": acc, "groups": {**groups, **extra}, "overall": overall,
-                "weighting": "BFCL-v4 group weights non_live 10, live 10, irrelevance 10, multi_turn 30 (agentic 40 absent), "
-                             "renormalised over the groups present"}
+                "weighting": "BFCL-v4 group weights non_live 10, live 10, irrelevance 10, multi_turn 30, agentic 40 "
+                             "(memory kv/rec_sum only: web search and memory_vector cannot run offline), renormalised over the groups present"}

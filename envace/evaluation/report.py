@@ -60,6 +60,16 @@ def rehearsal_line(summary: dict[str, Any]) -> str:
             f"{c['execution_seconds'] / n:.1f} s for the committed run).")
 
 
+def prerequisites_line(summary: dict[str, Any]) -> str:
+    """What the scored tasks needed first (unscored, e.g. BFCL's memory-writing conversations)."""
+    p = summary.get("prerequisites")
+    if not p:
+        return ""
+    ends = ", ".join(f"{reason} {n}" for reason, n in p["end_reasons"].items())
+    return (f"Prerequisites (unscored, real mode, run first): {p['n']} tasks, {p['tokens_per_task']:.0f} tokens and "
+            f"{p['seconds_per_task']:.1f} s per task, {p['wall_seconds']:.1f} s in all; ended: {ends}.")
+
+
 def skipped_text(skipped: dict[str, str], shown: int = 4) -> str:
     """{category: why} as "why: a, b; other why: c" (many categories share a reason; long lists
     are cut to `shown` names and a count)."""
@@ -94,7 +104,7 @@ def benchmark_line(summary: dict[str, Any]) -> str:
 def write_summary(summary: dict[str, Any], out: Path) -> None:
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     title = f"# envace eval: {summary.get('model')} ({summary.get('mode')} mode, {summary.get('source')})"
-    notes = [line for line in (benchmark_line(summary), rehearsal_line(summary), f"Wall time: {summary.get('wall_seconds', 0):.1f} s") if line]
+    notes = [line for line in (benchmark_line(summary), prerequisites_line(summary), rehearsal_line(summary), f"Wall time: {summary.get('wall_seconds', 0):.1f} s") if line]
     if summary.get("trained_on_eval_tasks"):
         notes.insert(0, f"**Flagged: the model was trained on {len(summary['trained_on_eval_tasks'])} of these tasks.**")
     (out / "summary.md").write_text(f"{title}\n\n{markdown_table(summary)}\n\n" + "\n\n".join(notes) + "\n")
@@ -110,7 +120,7 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
     # Piped output (CI logs, files) would otherwise wrap at 80 columns.
     console = console or Console(width=None if sys.stdout.isatty() else 160)
     console.print(table)
-    for line in (benchmark_line(summary), rehearsal_line(summary)):
+    for line in (benchmark_line(summary), prerequisites_line(summary), rehearsal_line(summary)):
         if line:
             console.print(line, markup=False)
 

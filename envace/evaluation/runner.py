@@ -259,6 +259,38 @@ def run_tasks(cfg: EvalConfig, policy: Any, env: Any, tasks: list[Task], simulat
     return Outcome(groups, records, time.perf_counter() - started, cost)
 
 
+def dependency_waves(tasks: list[Task]) -> list[list[Task]]:
+    """`tasks` in waves: each task after every task its metadata `depends_on` names; the tasks of
+    one wave are independent and roll out together."""
+    waves: list[list[Task]] = []
+    done: set[str] = set()
+    left = list(tasks)
+    while left:
+        ready = [t for t in left if set(t.metadata.get("depends_on", [])) <= done]
+        if not ready:
+            raise ValueError(f"tasks {', '.join(t.id for t in left[:3])} depend on tasks that are not given or depend on each other in a cycle")
+        waves.append(ready)
+        done |= {t.id for t in ready}
+        left = [t for t in left if t.id not in done]
+    return waves
+
+
+def run_prerequisites(cfg: EvalConfig, policy: Any, bench: Benchmark, tasks: list[Task], desc: str) -> Outcome | None:
+    """The unscored tasks `tasks` need first (`Benchmark.prerequisites`, e.g. the conversations in
+    which BFCL's memory is written), rolled out once each by the policy under evaluation, wave by
+    wave. Always in real mode: they set the real state the scored tasks start from, whatever
+    --mode and --rehearsal say about the scored tasks themselves."""
+    setup = bench.prerequisites(tasks)
+    if not setup:
+        return None
+    started = time.perf_counter()
+    engine = RolloutEngine(policy, bench, rollout_config_from(cfg, mode="real"))
+    waves = dependency_waves(setup)
+    groups = [g for i, wave in enumerate(waves) for g in engine.run(wave, progress=cfg.progress, desc=f"{desc} prerequisites {i + 1}/{len(waves)}")]
+    records = [trajectory_record(t, traj) for t, group in zip([t for w in waves for t in w], groups) for traj in group]
+    return Outcome(groups, records, time.perf_counter() - started)
+
+
 def summarize_outcome(cfg: EvalConfig, outcome: Outcome, source: str, by: str, leaked: list[str]) -> dict[str, Any]:
     groups, records, wall = outcome.groups, outcome.records, outcome.wall
     return {
@@ -439,6 +471,7 @@ def run_benchmark(cfg: EvalConfig, plan: BenchmarkPlan, policy: Any, out: Path, 
         bench.user_simulator = bench.make_user_simulator(*user)
     if judge is not None and bench.uses_judge:
         bench.judge = functools.partial(Context(env=bench, judge=judge).judge_reply, max_new_tokens=bench.judge_tokens)
+    prerequisites = run_prerequisites(cfg, policy, bench, plan.tasks, plan.name)
     outcome = run_tasks(cfg, policy, bench, plan.tasks, simulator, judge, desc=plan.name)
     category = {t.id: t.metadata["category"] for t in plan.tasks}
     for record in outcome.records:
@@ -450,6 +483,12 @@ def run_benchmark(cfg: EvalConfig, plan: BenchmarkPlan, policy: Any, out: Path, 
     summary["benchmark"] = {"name": plan.name, "split": plan.split, "aggregate": aggregate, "skipped": plan.skipped,
                             "limit": cfg.limit, "partial": plan.partial(cfg.limit)}
     out.mkdir(parents=True, exist_ok=True)
+    if prerequisites is not None:
+        # Not scored and not in wall_seconds: what the scored tasks needed first, and its cost.
+        cost = summarize_records(prerequisites.records, prerequisites.wall)
+        summary["prerequisites"] = {**{k: cost[k] for k in ("n", "tokens_per_task", "seconds_per_task", "real_env_calls", "malformed")},
+                                    "wall_seconds": prerequisites.wall, "end_reasons": dict(Counter(r["end_reason"] for r in prerequisites.records))}
+        write_trajectories(out / "prerequisites.jsonl", prerequisites.groups)
     write_outcome(out, outcome, summary)
     return summary
 
