@@ -146,3 +146,16 @@ def test_data_dir_from_environment(monkeypatch):
     monkeypatch.setenv(DATA_ENV, str(FIXTURES))
     assert default_data_dir() == FIXTURES
     assert len(BENCHMARKS.get("vitabench")().load_tasks(limit=1)) == 2  # one per domain
+
+
+def test_calendar_tools(bench, tasks):
+    world = bench.make_world(next(iter(tasks.values())))
+    assert world.call("get_holiday_date", {"year": "2025", "holiday_name": "mid-autumn"}) == {"holiday": "Mid-Autumn Festival", "date": "2025-10-06"}
+    assert world.call("get_holiday_date", {"year": "2025", "holiday_name": "Qixi"})["date"] == "2025-08-29"  # festival table
+    assert world.call("get_holiday_date", {"year": "2024", "holiday_name": "National Day"})["date"] == "2024-10-01"  # statutory, any year
+    assert world.call("get_date_holiday_info", {"date": "2025-10-01"}) == {"date": "2025-10-01", "holiday": "National Day"}
+    assert world.call("get_date_holiday_info", {"date": "2025-06-03"}) == {"date": "2025-06-03", "holiday": None}
+    for name, arguments, code in [("get_holiday_date", {"year": "2025", "holiday_name": "Halloween"}, "HOLIDAY_NOT_FOUND"),
+                                  ("get_holiday_date", {"year": "25", "holiday_name": "National Day"}, "INVALID_YEAR"),
+                                  ("get_date_holiday_info", {"date": "June 1"}, "INVALID_DATE")]:
+        assert world.call(name, arguments)["error"]["code"] == code

@@ -5,7 +5,8 @@ stores/shops and products, orders, locations, weather, the user's history, the c
 simulated user (`user_scenario`, `instructions`) and the evaluation (`expected_states[]`:
 `required_orders` and `state_rubrics`; `overall_rubrics`). The benchmark's tool code is not part
 of them: the worlds below implement its published tool set (names, arguments, behaviour) over the
-task database. Not implemented: the two holiday-calendar tools (the task data has no calendar).
+task database. The two calendar tools use China's statutory holidays (the `holidays` package) and a
+table of festival dates for the tasks' years (2023-2025).
 
 Scores:
   proxy   deterministic: replay the trajectory's calls on a fresh world; its final orders, seat
@@ -22,6 +23,7 @@ full data set (downloaded by the user) works the same; tasks of domains without 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -31,10 +33,11 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-from envace.benchmarks.base import BENCHMARKS, Benchmark, ChatFn, assistant_texts, openai_chat
+from envace.benchmarks.base import BENCHMARKS, Benchmark, ChatFn, assistant_texts, openai_chat, requirements
 from envace.envs.base import ToolError, ToolWorld, tool
 from envace.types import Task, ToolCall, Trajectory
 
+PIP = "pip install --no-deps holidays==0.109 rapidfuzz==3.14.6"
 DATA_ENV = "ENVACE_VITABENCH_DIR"
 REPO_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "vitabench"
 TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
@@ -75,6 +78,44 @@ For every rubric decide from the conversation whether it is met. Answer with a J
 [{{"rubric_idx": <index>, "justification": "<one sentence>", "meetExpectation": true or false}}, ...]"""
 
 
+# Festivals and observances the tasks mention that are not statutory holidays (or are, under other
+# names), for the years of the tasks; statutory holidays of any year come from `holidays.China`.
+FESTIVALS = {
+    "2023": {"Qingming Festival": "2023-04-05", "Father's Day": "2023-06-18", "Dragon Boat Festival": "2023-06-22",
+             "Mid-Autumn Festival": "2023-09-29", "National Day": "2023-10-01", "Double Ninth Festival": "2023-10-23"},
+    "2024": {"Valentine's Day": "2024-02-14", "Lantern Festival": "2024-02-24", "Qingming Festival": "2024-04-04",
+             "Dragon Boat Festival": "2024-06-10", "Qixi Festival": "2024-08-10", "Mid-Autumn Festival": "2024-09-17",
+             "Double Ninth Festival": "2024-10-11"},
+    "2025": {"New Year's Day": "2025-01-01", "Laba Festival": "2025-01-07", "Lantern Festival": "2025-02-15",
+             "Dragon Head Festival": "2025-03-01", "Women's Day": "2025-03-08", "Qingming Festival": "2025-04-04",
+             "Labor Day": "2025-05-01", "Mother's Day": "2025-05-11", "Dragon Boat Festival": "2025-05-31",
+             "Party Founding Day": "2025-07-01", "Start of Autumn": "2025-08-07", "Qixi Festival": "2025-08-29",
+             "National Day": "2025-10-01", "Mid-Autumn Festival": "2025-10-06", "Double Ninth Festival": "2025-10-29",
+             "Winter Solstice": "2025-12-21", "Christmas Day": "2025-12-25"},
+}
+
+
+@functools.lru_cache(maxsize=1)
+def calendar_libraries() -> tuple[Any, Any]:
+    """(holidays, rapidfuzz) for the calendar tools, imported once; checked when tasks load."""
+    with requirements(PIP):
+        import holidays
+        import rapidfuzz
+
+        return holidays, rapidfuzz
+
+
+def holiday_dates(year: int) -> dict[str, str]:
+    """Name -> first date of China's statutory holidays in `year` (without the shifted days off),
+    then the festival table's names."""
+    holidays, _ = calendar_libraries()
+    dates: dict[str, str] = {}
+    for day, name in sorted(holidays.China(years=year).items()):
+        if not name.startswith("Day off"):
+            dates.setdefault(name, day.isoformat())
+    return dates | FESTIVALS.get(str(year), {})
+
+
 def default_data_dir() -> Path | None:
     path = os.environ.get(DATA_ENV)
     if path:
@@ -91,6 +132,13 @@ def _parse_time(value: str, name: str) -> datetime:
         return datetime.strptime(value, TIME_FORMAT)
     except (TypeError, ValueError):
         raise ToolError("INVALID_TIME", f"{name} {value!r} must have the form yyyy-mm-dd HH:MM:SS") from None
+
+
+def _parse_date(value: str, name: str) -> datetime:
+    try:
+        return datetime.strptime(value, "%Y-%m-%d")
+    except (TypeError, ValueError):
+        raise ToolError("INVALID_DATE", f"{name} {value!r} must have the form yyyy-mm-dd") from None
 
 
 def _distance_m(lon1: float, lat1: float, lon2: float, lat2: float) -> int:
@@ -190,6 +238,26 @@ class VitaWorld(ToolWorld):
             cities = sorted({w["city"] for w in self.state.get("weather", [])})
             raise ToolError("NO_WEATHER", f"no weather for {address!r} from {date_start} to {date_end}; known cities: {', '.join(cities)}")
         return {"weather": days}
+
+    @tool("Whether a date (yyyy-mm-dd) is a public holiday in China, and which.", {"date": {"type": "string"}}, ["date"])
+    def get_date_holiday_info(self, date: str) -> dict[str, Any]:
+        day = _parse_date(date, "date").date()
+        holidays, _ = calendar_libraries()
+        return {"date": date, "holiday": holidays.China(years=day.year).get(day)}
+
+    @tool("The date (yyyy-mm-dd) of a holiday or festival in a year, by name (close spellings match).",
+          {"year": {"type": "string"}, "holiday_name": {"type": "string"}}, ["year", "holiday_name"])
+    def get_holiday_date(self, year: str, holiday_name: str) -> dict[str, Any]:
+        if not re.fullmatch(r"\d{4}", str(year)):
+            raise ToolError("INVALID_YEAR", f"year {year!r} must be four digits, e.g. 2025")
+        dates = holiday_dates(int(year))
+        _, rapidfuzz = calendar_libraries()
+        # Partial matching as the benchmark does ("Mid-Autumn" finds "Mid-Autumn Festival"), case-insensitive.
+        match = rapidfuzz.process.extractOne(holiday_name, list(dates), scorer=rapidfuzz.fuzz.partial_ratio,
+                                             processor=rapidfuzz.utils.default_process, score_cutoff=80)
+        if match is None:
+            raise ToolError("HOLIDAY_NOT_FOUND", f"no holiday named {holiday_name!r} in {year}; known: {', '.join(dates)}")
+        return {"holiday": match[0], "date": dates[match[0]]}
 
     @tool("The user's profile and history: id, home and work address, habits, preferences per scenario.")
     def get_user_historical_behaviors(self) -> dict[str, Any]:
@@ -618,6 +686,7 @@ class VitaBench(Benchmark):
 
     def load_tasks(self, split: str = "test", limit: int | None = None, categories: list[str] | None = None) -> list[Task]:
         """Tasks of the given domains (default: all with a world here), `limit` per domain."""
+        calendar_libraries()  # a missing package fails here, naming the pip command
         wanted = categories or list(self.categories)
         unknown = [c for c in wanted if c not in self.categories]
         if unknown:
