@@ -186,7 +186,7 @@ def test_judge_flag_scores_vitabench_by_its_rubrics(tmp_path, tokenizer, monkeyp
 
     def judge_text(prompt: str) -> str:
         prompts.append(prompt)
-        return judge_reply([True] * 20)  # more verdicts than rubrics: the extra ones are ignored
+        return judge_reply({i: True for i in range(20)})  # more verdicts than rubrics: the extra ones are ignored
 
     judge = ScriptedGenerator(tokenizer, judge_text)
     monkeypatch.setattr(runner, "open_generator", lambda spec, *a, **k: judge)
@@ -197,7 +197,7 @@ def test_judge_flag_scores_vitabench_by_its_rubrics(tmp_path, tokenizer, monkeyp
     aggregate = summary["benchmark"]["aggregate"]
     assert aggregate["categories"]["delivery"] == {"accuracy": 1.0, "count": 1} and aggregate["metric"] == "rubric"  # the judge said all met
     assert traj["reward_details"]["metric"] == "rubric" and traj["reward_details"]["proxy_score"] == 0.0
-    assert "Sorry, I cannot order that." in prompts[-1] and "Rubric" in prompts[-1]
+    assert "Sorry, I cannot order that." in prompts[-1] and "rubric_0" in prompts[-1]
 
 
 @pytest.mark.slow

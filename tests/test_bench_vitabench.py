@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from envace.benchmarks import BENCHMARKS
-from envace.benchmarks.vitabench import DATA_ENV, STOP, VitaUserSimulator, default_data_dir, parse_verdicts
-from envace.types import ToolCall, Trajectory
+from envace.benchmarks.vitabench import DATA_ENV, STOP, VitaUserSimulator, default_data_dir, judge_windows, rubric_score, update_rubrics
+from envace.types import EndReason, ToolCall, Trajectory
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vitabench"
 
@@ -95,8 +95,8 @@ def test_world_errors_are_observations(bench, tasks):
     assert found[0]["store_id"] == "S85277471199200385_S98778"
 
 
-def judge_reply(met: list[bool]) -> str:
-    return "Verdicts:\n" + json.dumps([{"rubric_idx": i, "justification": "ok", "meetExpectation": m} for i, m in enumerate(met)])
+def judge_reply(met: dict[int, bool]) -> str:
+    return "Verdicts:\n" + json.dumps([{"rubric_idx": f"rubric_{i}", "justification": "ok", "meetExpectation": m} for i, m in met.items()])
 
 
 def test_rubric_judge(tasks):
@@ -106,18 +106,37 @@ def test_rubric_judge(tasks):
 
     def judge(prompt: str) -> str:
         prompts.append(prompt)
-        return judge_reply([True] * n)
+        return judge_reply({i: True for i in range(n)})
 
     bench = BENCHMARKS.get("vitabench")(data_dir=FIXTURES, judge=judge)
     traj = run(bench, task, ("create_delivery_order", delivery_order(task)))
     score, details = bench.score(task, traj)
-    assert score == 1.0 and details["metric"] == "rubric" and details["proxy_score"] == 0.0
-    assert task.metadata["rubrics"][0] in prompts[0] and "create_delivery_order(" in prompts[0]
+    assert score == 1.0 and details["metric"] == "rubric" and details["proxy_score"] == 0.0 and details["judge_calls"] == 1
+    assert task.metadata["rubrics"][0] in prompts[0] and "create_delivery_order(" in prompts[0] and "window 1 of 1" in prompts[0]
 
-    bench.judge = lambda prompt: judge_reply([True] * (n - 1) + [False])
+    bench.judge = lambda prompt: judge_reply({i: i < n - 1 for i in range(n)})
     score, details = bench.score(task, traj)
     assert score == 0.0 and details["rubric_fraction"] == pytest.approx((n - 1) / n)
-    assert [v["met"] for v in parse_verdicts("no json here", 2)] == [False, False]
+    cut = Trajectory(task_id=task.id, mode="real", tool_calls=traj.tool_calls, observations=traj.observations, end_reason=EndReason.MAX_TURNS)
+    assert bench.score(task, cut) == (0.0, {"metric": "rubric", "premature_end": "max_turns"})  # unjudged, as VitaBench
+
+
+def test_sliding_windows_carry_the_rubric_states(tasks):
+    assert [(w.start, w.stop) for w in judge_windows(5)] == [(0, 5)]
+    assert [(w.start, w.stop) for w in judge_windows(19)] == [(0, 10), (8, 18), (16, 19)]  # 10 per window, 2 overlapping
+    task = tasks["10711001"]
+    n = len(task.metadata["rubrics"])
+    chat = [{"role": "user" if i % 2 else "assistant", "content": f"message {i}"} for i in range(19)]
+    traj = Trajectory(task_id=task.id, mode="real", messages=chat)
+    replies = iter([judge_reply({i: True for i in range(n)}),  # window 1: all met
+                    "I cannot decide.",  # window 2: not JSON, nothing changes
+                    judge_reply({0: False})])  # window 3: rubric 0 undone, the others left as they were
+    prompts = []
+    score, details = rubric_score(task, traj, lambda p: prompts.append(p) or next(replies))
+    assert details["judge_calls"] == 3 and score == 0.0 and [r["met"] for r in details["rubrics"]] == [False] + [True] * (n - 1)
+    assert "[9] assistant: message 8" in prompts[1] and "[19] assistant: message 18" in prompts[2] and "[8]" not in prompts[2]
+    assert '"meetExpectation": true' in prompts[1]  # the states so far go into the next window
+    assert update_rubrics("[]", [{"rubric_idx": "rubric_0", "justification": "j", "meetExpectation": True}])[0]["meetExpectation"]
 
 
 def test_user_simulator_flips_roles_and_stops():

@@ -11,8 +11,9 @@ table of festival dates for the tasks' years (2023-2025).
 Scores:
   proxy   deterministic: replay the trajectory's calls on a fresh world; its final orders, seat
           bookings and reservations must equal the task's required ones (`proxy_score`).
-  rubric  VitaBench's own metric: an LLM judge checks every rubric against the conversation;
-          1 when all are met (`rubric_score`, with any `judge(prompt) -> str`).
+  rubric  VitaBench's own metric: an LLM judge reads the conversation in sliding windows (its
+          default evaluation), updating every rubric's state; 1 when all are met
+          (`rubric_score`, with any `judge(prompt) -> str`).
 `VitaBench.score` gives the rubric score when the benchmark has a judge, else the proxy.
 
 Data directory (`load_tasks`): `data_dir`, else $ENVACE_VITABENCH_DIR, else the repository's
@@ -33,7 +34,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-from envace.benchmarks.base import BENCHMARKS, Benchmark, ChatFn, assistant_texts, openai_chat, requirements
+from envace.benchmarks.base import BENCHMARKS, Benchmark, ChatFn, assistant_texts, completed, openai_chat, requirements
 from envace.envs.base import ToolError, ToolWorld, tool
 from envace.types import Task, ToolCall, Trajectory
 
@@ -63,19 +64,41 @@ What you want (reveal it step by step, as a real user would, not all at once):
 Answer only what the assistant asks, from your profile and goals; never invent other facts.
 When everything you want is done, or cannot be done, reply with only {stop}."""
 
-JUDGE_PROMPT = """You are grading an AI assistant of a local-services app against a list of rubrics.
+JUDGE_PROMPT = """You grade an AI assistant of a local-services app (it calls tools to look things up and to act;
+tool results are the lines starting with "tool") against scoring points (rubrics) that split up
+what the user wanted.
 
 Current time: {time}
-What the user wanted: {instructions}
+What the user wanted, in full: {instructions}
 
-Conversation (tool calls shown as name(arguments) -> result):
-{conversation}
+The conversation is long, so you see it in windows of {window} messages that overlap by {overlap};
+the rubrics' states carry over from window to window. This is window {index} of {total}. Every
+rubric started as false (not met).
 
-Rubrics:
+Update the states from this window only:
+- false -> true only when the assistant achieved the rubric's goal in this window;
+- true -> false only when the assistant undid an earlier correct result in this window (not when the
+  user changed their mind, e.g. cancelled an order they had asked for);
+- a rubric this window does not touch keeps its state; note undecided evidence in its justification.
+Judge what the assistant said and did (its replies and tool calls); the user's words only guide it.
+Query results are seen by the assistant alone: what counts is what it then told the user, and it
+must not invent tool results. An order rubric needs an order the tools really created (a failed
+call, or the user saying they will order themselves, does not count). Quantities and delivery
+times must match the rubric exactly, whatever the user conceded. Addresses and order notes count
+when they serve the same purpose, even if worded differently.
+In each justification, append the key evidence with its message number [n]; when the state does
+not change, repeat the previous reason.
+
+Window:
+{window_content}
+
+Current rubrics:
 {rubrics}
 
-For every rubric decide from the conversation whether it is met. Answer with a JSON list only:
-[{{"rubric_idx": <index>, "justification": "<one sentence>", "meetExpectation": true or false}}, ...]"""
+Answer with the updated JSON list only, one object per rubric:
+[{{"rubric_idx": "rubric_0", "rubric": "<the rubric>", "justification": "<appended reasons>", "meetExpectation": true or false}}, ...]"""
+# VitaBench's default evaluation ("trajectory"): windows of 10 messages overlapping by 2.
+JUDGE_WINDOW, JUDGE_OVERLAP = 10, 2
 
 
 # Festivals and observances the tasks mention that are not statutory holidays (or are, under other
@@ -585,8 +608,9 @@ def _format_call(call: ToolCall, observation: dict[str, Any] | None) -> str:
     return f"{call.name}({args}) -> {json.dumps(observation, ensure_ascii=False)[:1500]}"
 
 
-def conversation_text(trajectory: Trajectory) -> str:
-    """The chat for the judge: user and assistant texts and each tool call with its result."""
+def conversation_lines(trajectory: Trajectory) -> list[str]:
+    """The chat for the judge, one line per message: user and assistant texts and each tool call
+    with its result."""
     calls = iter(zip(trajectory.tool_calls, trajectory.observations + [None] * len(trajectory.tool_calls)))
     lines = []
     for m in trajectory.messages:
@@ -598,12 +622,24 @@ def conversation_text(trajectory: Trajectory) -> str:
             lines.append("tool: " + _format_call(*next(calls)))
     if not trajectory.messages:  # hand-built trajectories: calls, then the answer
         lines = ["tool: " + _format_call(c, o) for c, o in calls] + [f"assistant: {t}" for t in assistant_texts(trajectory)]
-    return "\n".join(lines)
+    return lines
 
 
-def parse_verdicts(reply: str, n: int) -> list[dict[str, Any]]:
-    """The judge's JSON list -> one verdict per rubric index (unmet where the reply says nothing)."""
-    verdicts = [{"met": False, "justification": "no verdict"} for _ in range(n)]
+def judge_windows(n: int, size: int = JUDGE_WINDOW, overlap: int = JUDGE_OVERLAP) -> list[range]:
+    """Message index ranges of VitaBench's sliding windows: `size` messages, starting every
+    `size - overlap`, until one reaches the end (a conversation that fits is one window)."""
+    windows, start = [], 0
+    while True:
+        windows.append(range(start, min(start + size, n)))
+        if start + size >= n:
+            return windows
+        start += size - overlap
+
+
+def update_rubrics(reply: str, states: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The judge's JSON list applied to the rubric states (by "rubric_<k>", or k); rubrics the reply
+    leaves out, and every rubric when it is not JSON, keep their state."""
+    states = [dict(s) for s in states]
     found = re.search(r"\[.*\]", reply, re.DOTALL)
     try:
         items = json.loads(found.group(0)) if found else []
@@ -611,21 +647,32 @@ def parse_verdicts(reply: str, n: int) -> list[dict[str, Any]]:
         items = []
     for item in items if isinstance(items, list) else []:
         idx = item.get("rubric_idx") if isinstance(item, dict) else None
-        if isinstance(idx, int) and 0 <= idx < n:
-            verdicts[idx] = {"met": item.get("meetExpectation") is True, "justification": str(item.get("justification", ""))}
-    return verdicts
+        k = int(idx.removeprefix("rubric_")) if isinstance(idx, str) and re.fullmatch(r"(rubric_)?\d+", idx) else idx
+        if isinstance(k, int) and 0 <= k < len(states):
+            states[k]["justification"] = str(item.get("justification", states[k]["justification"]))
+            states[k]["meetExpectation"] = item.get("meetExpectation", states[k]["meetExpectation"]) is True
+    return states
 
 
 def rubric_score(task: Task, trajectory: Trajectory, judge: Callable[[str], str]) -> tuple[float, dict[str, Any]]:
-    """VitaBench's metric: 1 when the judge finds every rubric met; details hold each verdict."""
+    """VitaBench's metric as its default evaluation computes it: the judge reads the conversation
+    window by window, updating every rubric's state; 1 when all are met at the end (and when the
+    task has no rubric). Details hold each final verdict and the met fraction."""
     rubrics = task.metadata["rubrics"]
-    prompt = JUDGE_PROMPT.format(
-        time=task.metadata["time"], instructions=task.metadata["instructions"], conversation=conversation_text(trajectory),
-        rubrics="\n".join(f"{i}. {r}" for i, r in enumerate(rubrics)),
-    )
-    verdicts = parse_verdicts(judge(prompt), len(rubrics))
-    met = sum(v["met"] for v in verdicts)
-    details = {"rubrics": [{"rubric": r, **v} for r, v in zip(rubrics, verdicts)], "rubric_fraction": met / len(rubrics) if rubrics else 1.0}
+    states = [{"rubric_idx": f"rubric_{i}", "rubric": r, "justification": "Not evaluated yet", "meetExpectation": False} for i, r in enumerate(rubrics)]
+    lines = conversation_lines(trajectory)
+    windows = judge_windows(len(lines)) if rubrics else []
+    time = task.metadata["time"]
+    for index, window in enumerate(windows, 1):
+        prompt = JUDGE_PROMPT.format(
+            time=f"{time} ({datetime.strptime(time, TIME_FORMAT):%A})", instructions=task.metadata["instructions"],
+            window=JUDGE_WINDOW, overlap=JUDGE_OVERLAP, index=index, total=len(windows),
+            window_content="\n".join(f"[{i + 1}] {lines[i]}" for i in window), rubrics=json.dumps(states, ensure_ascii=False, indent=2),
+        )
+        states = update_rubrics(judge(prompt), states)
+    met = sum(s["meetExpectation"] for s in states)
+    details = {"rubrics": [{"rubric": s["rubric"], "met": s["meetExpectation"], "justification": s["justification"]} for s in states],
+               "rubric_fraction": met / len(rubrics) if rubrics else 1.0, "judge_calls": len(windows)}
     return (1.0 if met == len(rubrics) else 0.0), details
 
 
@@ -709,6 +756,10 @@ class VitaBench(Benchmark):
         return world.state
 
     def score(self, task: Task, trajectory: Trajectory) -> tuple[float, dict[str, Any]]:
+        metric = "proxy" if self.judge is None else "rubric"
+        if not completed(trajectory):
+            # VitaBench scores a conversation cut short (step or error limit, invalid message) 0, unjudged.
+            return 0.0, {"metric": metric, "premature_end": trajectory.end_reason.value}
         proxy, proxy_details = proxy_score(task, self.final_state(task, trajectory))
         if self.judge is None:
             return proxy, {"metric": "proxy", "proxy": proxy_details}
