@@ -78,9 +78,12 @@ def test_proxy_with_existing_orders_and_in_store_visits(bench, tasks):
     calls = [("create_instore_product_order", {"user_id": user, "shop_id": shop, "product_id": "S17564420237542211_P00015"}),
              ("pay_instore_order", {"order_id": "10826004T001"}),
              ("instore_reservation", {"user_id": user, "shop_id": shop, "time": "2025-11-07 10:00:00"}),
-             ("instore_modify_reservation", {"reservation_id": "10826004T002", "time": "2025-11-07 17:30:00"})]
+             ("instore_modify_reservation", {"reservation_id": "10826004T002", "time": "2025-11-07 17:30:00", "customer_count": 1})]
     assert bench.score(task, run(bench, task, *calls))[0] == 1.0
     assert bench.score(task, run(bench, task, *calls[:3]))[0] == 0.0  # reservation left at 10:00
+    # As in the benchmark, a modification without customer_count sets the count to 0.
+    no_count = ("instore_modify_reservation", {"reservation_id": "10826004T002", "time": "2025-11-07 17:30:00"})
+    assert bench.score(task, run(bench, task, *calls[:3], no_count))[0] == 0.0
 
 
 def test_world_errors_are_observations(bench, tasks):
@@ -171,10 +174,40 @@ def test_calendar_tools(bench, tasks):
     world = bench.make_world(next(iter(tasks.values())))
     assert world.call("get_holiday_date", {"year": "2025", "holiday_name": "mid-autumn"}) == {"holiday": "Mid-Autumn Festival", "date": "2025-10-06"}
     assert world.call("get_holiday_date", {"year": "2025", "holiday_name": "Qixi"})["date"] == "2025-08-29"  # festival table
-    assert world.call("get_holiday_date", {"year": "2024", "holiday_name": "National Day"})["date"] == "2024-10-01"  # statutory, any year
-    assert world.call("get_date_holiday_info", {"date": "2025-10-01"}) == {"date": "2025-10-01", "holiday": "National Day"}
+    assert world.call("get_date_holiday_info", {"date": "2024-10-01"}) == {"date": "2024-10-01", "holiday": "National Day"}  # statutory, any year
     assert world.call("get_date_holiday_info", {"date": "2025-06-03"}) == {"date": "2025-06-03", "holiday": None}
     for name, arguments, code in [("get_holiday_date", {"year": "2025", "holiday_name": "Halloween"}, "HOLIDAY_NOT_FOUND"),
+                                  ("get_holiday_date", {"year": "2024", "holiday_name": "National Day"}, "HOLIDAY_NOT_FOUND"),  # not in the table
+                                  ("get_holiday_date", {"year": "2026", "holiday_name": "National Day"}, "HOLIDAY_NOT_FOUND"),
                                   ("get_holiday_date", {"year": "25", "holiday_name": "National Day"}, "INVALID_YEAR"),
                                   ("get_date_holiday_info", {"date": "June 1"}, "INVALID_DATE")]:
         assert world.call(name, arguments)["error"]["code"] == code
+
+
+def test_in_store_search_hides_the_target_labels_and_ranks_every_shop(bench, tasks):
+    world = bench.make_world(tasks["10826004"])
+    shops = world.call("instore_shop_search_recommend", {"keywords": ["Swimming Pool"]})["shops"]
+    assert len(shops) == 4 and {s["shop_name"] for s in shops[:2]} <= {"Quanli Fitness Swimming Club", "Water Cube Swimming Pool", "Kangti Swimming Fitness Club"}
+    products = world.call("instore_product_search_recommend", {"keywords": ["body shaping"]})["products"]
+    leaked = {"shop_type", "product_type", "target_reason", "category"}
+    assert not any(leaked & set(s) for s in shops) and not any(leaked & set(p) for p in products)
+    assert "Body Shaping" in products[0]["name"]
+
+
+def test_addresses_resolve_fuzzily_and_the_proxy_compares_places(bench, tasks):
+    task = tasks["10711001"]
+    full = task.metadata["required_orders"][0]["location"]["address"]
+    short = "Yunnan University Affiliated Hospital, Wuhua District, Kunming"
+    world = bench.make_world(task)
+    assert world.call("address_to_longitude_latitude", {"address": short})["address"] == full
+    assert world.call("address_to_longitude_latitude", {"address": "Eiffel Tower, Paris"})["error"]["code"] == "ADDRESS_NOT_FOUND"
+    reworded = run(bench, task, ("create_delivery_order", delivery_order(task, address=short)), ("pay_delivery_order", {"order_id": "10711001T01"}))
+    assert bench.score(task, reworded)[0] == 1.0  # the same place in other words
+
+
+def test_cancellation_accepts_any_status_but_cancelled(bench, tasks):
+    task = tasks["G0721005"]
+    world = bench.make_world(task)
+    world.state["orders"]["G0721005O01"]["status"] = "delivered"
+    assert world.call("cancel_delivery_order", {"order_id": "G0721005O01"})["status"] == "cancelled"
+    assert world.call("cancel_delivery_order", {"order_id": "G0721005O01"})["error"]["code"] == "INVALID_STATUS"

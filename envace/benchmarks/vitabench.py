@@ -3,10 +3,10 @@
 The public task files (meituan-longcat/vitabench, MIT) hold each task's database (`environment`:
 stores/shops and products, orders, locations, weather, the user's history, the current time), the
 simulated user (`user_scenario`, `instructions`) and the evaluation (`expected_states[]`:
-`required_orders` and `state_rubrics`; `overall_rubrics`). The benchmark's tool code is not part
-of them: the worlds below implement its published tool set (names, arguments, behaviour) over the
-task database. The two calendar tools use China's statutory holidays (the `holidays` package) and a
-table of festival dates for the tasks' years (2023-2025).
+`required_orders` and `state_rubrics`; `overall_rubrics`). The benchmark's own code (`vita`) is
+not on PyPI: the worlds below implement its tool set (names, arguments) over the task database and
+follow its behaviour where it changes an outcome: fuzzy address resolution and search (rapidfuzz),
+the fields an agent sees, status rules, the calendar (`holidays`); docs/benchmarks.md lists them.
 
 Scores:
   proxy   deterministic: replay the trajectory's calls on a fresh world; its final orders, seat
@@ -40,6 +40,10 @@ from envace.types import Task, ToolCall, Trajectory
 
 PIP = "pip install --no-deps holidays==0.109 rapidfuzz==3.14.6"
 DATA_ENV = "ENVACE_VITABENCH_DIR"
+# What the benchmark shows an agent of an in-store shop and package: the task files also label
+# targets and distractors (shop_type, product_type, target_reason), which must not leak.
+SHOP_FIELDS = ("shop_id", "shop_name", "score", "location", "tags", "enable_book", "book_price", "enable_reservation")
+PACKAGE_FIELDS = ("product_id", "shop_id", "name", "price", "quantity", "tags")
 REPO_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "vitabench"
 TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
 GREETING = "Hi! How can I help you today?"
@@ -101,8 +105,8 @@ Answer with the updated JSON list only, one object per rubric:
 JUDGE_WINDOW, JUDGE_OVERLAP = 10, 2
 
 
-# Festivals and observances the tasks mention that are not statutory holidays (or are, under other
-# names), for the years of the tasks; statutory holidays of any year come from `holidays.China`.
+# The holidays and festivals `get_holiday_date` knows, for the years of the tasks (the benchmark's
+# coverage: other years and names are not found).
 FESTIVALS = {
     "2023": {"Qingming Festival": "2023-04-05", "Father's Day": "2023-06-18", "Dragon Boat Festival": "2023-06-22",
              "Mid-Autumn Festival": "2023-09-29", "National Day": "2023-10-01", "Double Ninth Festival": "2023-10-23"},
@@ -119,24 +123,14 @@ FESTIVALS = {
 
 
 @functools.lru_cache(maxsize=1)
-def calendar_libraries() -> tuple[Any, Any]:
-    """(holidays, rapidfuzz) for the calendar tools, imported once; checked when tasks load."""
+def tool_libraries() -> tuple[Any, Any]:
+    """(holidays, rapidfuzz): the calendar and the benchmark's fuzzy matching (addresses, search,
+    holiday names), imported once; checked when tasks load."""
     with requirements(PIP):
         import holidays
         import rapidfuzz
 
         return holidays, rapidfuzz
-
-
-def holiday_dates(year: int) -> dict[str, str]:
-    """Name -> first date of China's statutory holidays in `year` (without the shifted days off),
-    then the festival table's names."""
-    holidays, _ = calendar_libraries()
-    dates: dict[str, str] = {}
-    for day, name in sorted(holidays.China(years=year).items()):
-        if not name.startswith("Day off"):
-            dates.setdefault(name, day.isoformat())
-    return dates | FESTIVALS.get(str(year), {})
 
 
 def default_data_dir() -> Path | None:
@@ -172,20 +166,23 @@ def _distance_m(lon1: float, lat1: float, lon2: float, lat2: float) -> int:
     return int(2 * 6_371_000 * math.asin(math.sqrt(a)))
 
 
-def _words(text: str) -> set[str]:
-    return set(re.findall(r"\w+", text.lower()))
+def _best_match(query: str, choices: list[str]) -> tuple[str, float] | None:
+    """The choice with the highest fuzzy partial-match score (case and punctuation ignored, the
+    benchmark's matching) and that score; None without choices."""
+    _, rapidfuzz = tool_libraries()
+    found = rapidfuzz.process.extractOne(query, choices, scorer=rapidfuzz.fuzz.partial_ratio, processor=rapidfuzz.utils.default_process)
+    return None if found is None else (found[0], found[1])
 
 
-def _rank(items: list[dict[str, Any]], keywords: list[str], text: Callable[[dict[str, Any]], str], top: int) -> list[dict[str, Any]]:
-    """Items ordered by how many keyword words their text contains, then by rating."""
-    wanted = _words(" ".join(keywords))
-    scored = [(len(wanted & _words(text(i))), i.get("score", 0), i) for i in items]
-    scored.sort(key=lambda s: (s[0], s[1]), reverse=True)
-    return [i for _, _, i in scored[:top]]
-
-
-def _norm(address: str) -> str:
-    return " ".join(address.lower().split())
+def _rank(items: list[dict[str, Any]], keywords: list[str], text: Callable[[dict[str, Any]], str]) -> list[dict[str, Any]]:
+    """All items, best first by the fuzzy partial-match score of their text against the keywords
+    (joined as the benchmark joins them); ties keep the database order."""
+    _, rapidfuzz = tool_libraries()
+    query = "".join(keywords)
+    scores = rapidfuzz.process.cdist([query], [text(i) for i in items], scorer=rapidfuzz.fuzz.partial_ratio,
+                                     processor=rapidfuzz.utils.default_process)[0] if items else []
+    order = sorted(range(len(items)), key=lambda i: -scores[i])
+    return [items[i] for i in order]
 
 
 # ---- the worlds --------------------------------------------------------------------------------
@@ -214,17 +211,19 @@ class VitaWorld(ToolWorld):
         return new
 
     def _known_locations(self) -> list[dict[str, Any]]:
-        return list(self.state.get("location", [])) + [p["location"] for p in self._places() if p.get("location")]
+        """Every location of the task: its address book, the businesses', the existing orders'."""
+        orders = [o["location"] for o in self.state.get("orders", {}).values() if o.get("location")]
+        return list(self.state.get("location", [])) + [p["location"] for p in self._places() if p.get("location")] + orders
 
     def _locate(self, address: str) -> dict[str, Any]:
-        """The known location with this address (exact, else one containing the other)."""
-        want = _norm(address)
-        locations = self._known_locations()
-        for match in (lambda a: a == want, lambda a: want in a or a in want):
-            found = [loc for loc in locations if want and match(_norm(loc["address"]))]
-            if found:
-                return found[0]
-        raise ToolError("ADDRESS_NOT_FOUND", f"no coordinates known for {address!r}")
+        """The known location that best matches `address`, as the benchmark resolves addresses: the
+        best fuzzy partial match, accepted at a score >= 30 when the plain similarity is >= 20."""
+        _, rapidfuzz = tool_libraries()
+        locations = {loc["address"]: loc for loc in self._known_locations()}
+        best = _best_match(str(address), list(locations))
+        if best is None or best[1] < 30 or rapidfuzz.fuzz.ratio(str(address), best[0]) < 20:
+            raise ToolError("ADDRESS_NOT_FOUND", f"no coordinates known for {address!r}")
+        return locations[best[0]]
 
     def _entry(self, collection: str, key: str, entry_id: str) -> dict[str, Any]:
         entry = self.state[collection].get(entry_id)
@@ -232,10 +231,12 @@ class VitaWorld(ToolWorld):
             raise ToolError("NOT_FOUND", f"{key} {entry_id!r} not found")
         return entry
 
-    def _set_status(self, collection: str, key: str, entry_id: str, new: str, allowed_from: tuple[str, ...]) -> dict[str, Any]:
+    def _set_status(self, collection: str, key: str, entry_id: str, new: str, allowed_from: tuple[str, ...] | None = None) -> dict[str, Any]:
+        """Set `new`; `allowed_from` None: from any status but `new` itself (the benchmark cancels anything not cancelled)."""
         entry = self._entry(collection, key, entry_id)
-        if entry["status"] not in allowed_from:
-            raise ToolError("INVALID_STATUS", f"{key} {entry_id} is {entry['status']}; this needs status {' or '.join(allowed_from)}")
+        if entry["status"] == new if allowed_from is None else entry["status"] not in allowed_from:
+            needs = f"a status other than {new}" if allowed_from is None else f"status {' or '.join(allowed_from)}"
+            raise ToolError("INVALID_STATUS", f"{key} {entry_id} is {entry['status']}; this needs {needs}")
         entry["status"] = new
         entry["update_time"] = self.state["time"]
         return entry
@@ -255,30 +256,33 @@ class VitaWorld(ToolWorld):
           {"address": {"type": "string"}, "date_start": {"type": "string"}, "date_end": {"type": "string"}},
           ["address", "date_start", "date_end"])
     def weather(self, address: str, date_start: str, date_end: str) -> dict[str, Any]:
-        place = _norm(address)
-        days = [w for w in self.state.get("weather", []) if _norm(w["city"].replace(" City", "")) in place and date_start <= w["datetime"] <= date_end]
+        _parse_date(date_start, "date_start"), _parse_date(date_end, "date_end")
+        cities = list(dict.fromkeys(w["city"] for w in self.state.get("weather", [])))
+        best = _best_match(str(address), cities)  # the benchmark's city lookup: fuzzy, score >= 50
+        if best is None or best[1] < 50:
+            raise ToolError("NO_WEATHER", f"no weather known for {address!r}; known cities: {', '.join(cities)}")
+        days = [w for w in self.state["weather"] if w["city"] == best[0] and date_start <= w["datetime"] <= date_end]
         if not days:
-            cities = sorted({w["city"] for w in self.state.get("weather", [])})
-            raise ToolError("NO_WEATHER", f"no weather for {address!r} from {date_start} to {date_end}; known cities: {', '.join(cities)}")
+            raise ToolError("NO_WEATHER", f"no weather for {best[0]} from {date_start} to {date_end}")
         return {"weather": days}
 
     @tool("Whether a date (yyyy-mm-dd) is a public holiday in China, and which.", {"date": {"type": "string"}}, ["date"])
     def get_date_holiday_info(self, date: str) -> dict[str, Any]:
         day = _parse_date(date, "date").date()
-        holidays, _ = calendar_libraries()
+        holidays, _ = tool_libraries()
         return {"date": date, "holiday": holidays.China(years=day.year).get(day)}
 
-    @tool("The date (yyyy-mm-dd) of a holiday or festival in a year, by name (close spellings match).",
+    @tool("The date (yyyy-mm-dd) of a holiday or festival in a year (2023-2025), by name (close spellings match).",
           {"year": {"type": "string"}, "holiday_name": {"type": "string"}}, ["year", "holiday_name"])
     def get_holiday_date(self, year: str, holiday_name: str) -> dict[str, Any]:
         if not re.fullmatch(r"\d{4}", str(year)):
             raise ToolError("INVALID_YEAR", f"year {year!r} must be four digits, e.g. 2025")
-        dates = holiday_dates(int(year))
-        _, rapidfuzz = calendar_libraries()
+        dates = FESTIVALS.get(str(year))
+        if dates is None:
+            raise ToolError("HOLIDAY_NOT_FOUND", f"no holiday data for {year}; known years: {', '.join(FESTIVALS)}")
         # Partial matching as the benchmark does ("Mid-Autumn" finds "Mid-Autumn Festival"), case-insensitive.
-        match = rapidfuzz.process.extractOne(holiday_name, list(dates), scorer=rapidfuzz.fuzz.partial_ratio,
-                                             processor=rapidfuzz.utils.default_process, score_cutoff=80)
-        if match is None:
+        match = _best_match(holiday_name, list(dates))
+        if match is None or match[1] < 80:
             raise ToolError("HOLIDAY_NOT_FOUND", f"no holiday named {holiday_name!r} in {year}; known: {', '.join(dates)}")
         return {"holiday": match[0], "date": dates[match[0]]}
 
@@ -286,9 +290,9 @@ class VitaWorld(ToolWorld):
     def get_user_historical_behaviors(self) -> dict[str, Any]:
         return {"user_id": self.state["user_id"], **self.state.get("user_historical_behaviors", {})}
 
-    @tool("All of the user's orders, seat bookings and reservations.")
+    @tool("All of the user's orders.")
     def get_user_all_orders(self) -> dict[str, Any]:
-        return {k: list(self.state.get(k, {}).values()) for k in ("orders", "books", "reservations") if k in self.state}
+        return {"orders": list(self.state.get("orders", {}).values())}
 
     @tool("Businesses within `range` meters of a point, nearest first.",
           {"longitude": {"type": "number"}, "latitude": {"type": "number"}, "range": {"type": "number"}},
@@ -341,14 +345,13 @@ class DeliveryWorld(VitaWorld):
     @tool("Search or recommend delivery stores by keywords taken from the user's request.",
           {"keywords": {"type": "array", "items": {"type": "string"}}}, ["keywords"])
     def delivery_store_search_recommand(self, keywords: list[str]) -> dict[str, Any]:
-        text = lambda s: " ".join([s["name"], *s["tags"], *(p["name"] for p in s["products"])])  # noqa: E731
-        return {"stores": _rank(self._places(), keywords, text, top=10)}
+        stores = [{k: v for k, v in s.items() if k != "products"} for s in self._places()]  # details: get_delivery_store_info
+        return {"stores": _rank(stores, keywords, lambda s: s["name"] + "".join(s["tags"]))}
 
     @tool("Search or recommend delivery products by keywords taken from the user's request.",
           {"keywords": {"type": "array", "items": {"type": "string"}}}, ["keywords"])
     def delivery_product_search_recommand(self, keywords: list[str]) -> dict[str, Any]:
-        text = lambda p: " ".join([p["name"], p.get("store_name", ""), *p.get("tags", [])])  # noqa: E731
-        return {"products": _rank(self._products(), keywords, text, top=20)}
+        return {"products": _rank(self._products(), keywords, lambda p: f"{p.get('store_name', '')}, {p['name']}, {p.get('tags', [])}")}
 
     @tool("Create a delivery order (unpaid) from one store: products with counts (and optional attributes, per product), "
           "delivery address, dispatch time (when the rider leaves the store, yyyy-mm-dd HH:MM:SS, not in the past) and a note "
@@ -361,12 +364,13 @@ class DeliveryWorld(VitaWorld):
                               dispatch_time: str, attributes: list[str] | None = None, note: str = "") -> dict[str, Any]:
         self._check_user(user_id)
         store = self._store(store_id)
-        catalog = {p["product_id"]: p for p in store["products"]}
-        if not product_ids or len(product_ids) != len(product_cnts) or any(c <= 0 for c in product_cnts):
+        # Any known product, as the benchmark accepts (it does not check the store sells it).
+        catalog = {p["product_id"]: p for p in self._products()}
+        if len(product_ids) != len(product_cnts) or any(c <= 0 for c in product_cnts):
             raise ToolError("INVALID_ARGUMENTS", "give one positive count per product id")
         missing = [p for p in product_ids if p not in catalog]
         if missing:
-            raise ToolError("NOT_FOUND", f"store {store_id} does not sell {', '.join(missing)}")
+            raise ToolError("NOT_FOUND", f"unknown products {', '.join(missing)}")
         dispatch = _parse_time(dispatch_time, "dispatch_time")
         if dispatch < _now(self.state):
             raise ToolError("INVALID_TIME", f"dispatch_time {dispatch_time} is in the past (now {self.state['time']})")
@@ -395,10 +399,10 @@ class DeliveryWorld(VitaWorld):
     def get_delivery_order_status(self, order_id: str) -> dict[str, Any]:
         return {"order_id": order_id, "status": self._delivery_order(order_id)["status"]}
 
-    @tool("Cancel a delivery order (or its payment); not for orders already cancelled.", {"order_id": {"type": "string"}}, ["order_id"])
+    @tool("Cancel a delivery order; not for orders already cancelled.", {"order_id": {"type": "string"}}, ["order_id"])
     def cancel_delivery_order(self, order_id: str) -> dict[str, Any]:
         self._delivery_order(order_id)
-        return self._set_status("orders", "order", order_id, "cancelled", ("unpaid", "paid", "processed", "in-progress"))
+        return self._set_status("orders", "order", order_id, "cancelled")
 
     @tool("Replace a delivery order's note.", {"order_id": {"type": "string"}, "note": {"type": "string"}}, ["order_id", "note"])
     def modify_delivery_order(self, order_id: str, note: str) -> dict[str, Any]:
@@ -441,15 +445,14 @@ class InstoreWorld(VitaWorld):
     @tool("Recommend shops for in-store services by keywords (for vague requests: no specific shop or package).",
           {"keywords": {"type": "array", "items": {"type": "string"}}}, ["keywords"])
     def instore_shop_search_recommend(self, keywords: list[str]) -> dict[str, Any]:
-        text = lambda s: " ".join([s["shop_name"], s.get("category", ""), *s["tags"]])  # noqa: E731
-        return {"shops": _rank(self._places(), keywords, text, top=10)}
+        shops = [{k: s[k] for k in SHOP_FIELDS if k in s} for s in self._places()]
+        return {"shops": _rank(shops, keywords, lambda s: f"{s['shop_name']},{s['tags']}")}
 
     @tool("Search or recommend in-store packages (products) by keywords.",
           {"keywords": {"type": "array", "items": {"type": "string"}}}, ["keywords"])
     def instore_product_search_recommend(self, keywords: list[str]) -> dict[str, Any]:
-        products = [{**p, "shop_name": s["shop_name"]} for s in self._places() for p in s["products"]]
-        text = lambda p: " ".join([p["name"], p["shop_name"], *p.get("tags", [])])  # noqa: E731
-        return {"products": _rank(products, keywords, text, top=20)}
+        products = [{k: p[k] for k in PACKAGE_FIELDS if k in p} for s in self._places() for p in s["products"]]
+        return {"products": _rank(products, keywords, lambda p: f"{p['name']},{p['tags']}")}
 
     @tool("Create an in-store order (unpaid) for one package of a shop.",
           {"user_id": {"type": "string"}, "shop_id": {"type": "string"}, "product_id": {"type": "string"}, "quantity": {"type": "integer"}},
@@ -474,10 +477,10 @@ class InstoreWorld(VitaWorld):
         self._instore_order(order_id)
         return self._set_status("orders", "order", order_id, "paid", ("unpaid",))
 
-    @tool("Cancel an in-store order (or its payment); not for orders already cancelled.", {"order_id": {"type": "string"}}, ["order_id"])
+    @tool("Cancel an in-store order; not for orders already cancelled.", {"order_id": {"type": "string"}}, ["order_id"])
     def instore_cancel_order(self, order_id: str) -> dict[str, Any]:
         self._instore_order(order_id)
-        return self._set_status("orders", "order", order_id, "cancelled", ("unpaid", "paid"))
+        return self._set_status("orders", "order", order_id, "cancelled")
 
     @tool("Book seats/a table at a shop that takes bookings; unpaid while the shop charges a booking fee.",
           {"user_id": {"type": "string"}, "shop_id": {"type": "string"}, "time": {"type": "string", "description": "yyyy-mm-dd HH:MM:SS"},
@@ -502,7 +505,7 @@ class InstoreWorld(VitaWorld):
 
     @tool("Cancel a seat booking.", {"book_id": {"type": "string"}}, ["book_id"])
     def instore_cancel_book(self, book_id: str) -> dict[str, Any]:
-        return self._set_status("books", "booking", book_id, "cancelled", ("unpaid", "paid", "unconsumed"))
+        return self._set_status("books", "booking", book_id, "cancelled")
 
     @tool("Reserve a service time at a shop.",
           {"user_id": {"type": "string"}, "shop_id": {"type": "string"}, "time": {"type": "string", "description": "yyyy-mm-dd HH:MM:SS"},
@@ -518,23 +521,24 @@ class InstoreWorld(VitaWorld):
         self.state["reservations"][reservation["reservation_id"]] = reservation
         return reservation
 
-    @tool("Change a reservation's time and, optionally, its number of customers.",
+    @tool("Change a reservation's time and number of customers (give both: the count defaults to 0).",
           {"reservation_id": {"type": "string"}, "time": {"type": "string", "description": "yyyy-mm-dd HH:MM:SS"}, "customer_count": {"type": "integer"}},
           ["reservation_id", "time"])
-    def instore_modify_reservation(self, reservation_id: str, time: str, customer_count: int | None = None) -> dict[str, Any]:
+    def instore_modify_reservation(self, reservation_id: str, time: str, customer_count: int = 0) -> dict[str, Any]:
         reservation = self._entry("reservations", "reservation", reservation_id)
         if reservation["status"] in ("consumed", "cancelled"):
             raise ToolError("INVALID_STATUS", f"reservation {reservation_id} is already {reservation['status']}")
         _parse_time(time, "time")
+        if customer_count < 0:
+            raise ToolError("INVALID_ARGUMENTS", "customer_count must not be negative")
         reservation["reservation_time"] = time
-        if customer_count is not None:
-            reservation["customer_count"] = customer_count
+        reservation["customer_count"] = customer_count  # the benchmark writes it always: leaving it out sets 0
         reservation["update_time"] = self.state["time"]
         return reservation
 
     @tool("Cancel a reservation.", {"reservation_id": {"type": "string"}}, ["reservation_id"])
     def instore_cancel_reservation(self, reservation_id: str) -> dict[str, Any]:
-        return self._set_status("reservations", "reservation", reservation_id, "cancelled", ("unpaid", "paid", "unconsumed"))
+        return self._set_status("reservations", "reservation", reservation_id, "cancelled")
 
     @tool("All of the user's in-store orders.", {"user_id": {"type": "string"}}, ["user_id"])
     def get_instore_orders(self, user_id: str) -> dict[str, Any]:
@@ -569,16 +573,18 @@ def _status_class(status: str) -> str:
     return status if status in ("unpaid", "cancelled") else "committed"
 
 
-def canonical(entry: dict[str, Any]) -> list[tuple]:
-    """What the proxy compares of an order, seat booking or reservation. An in-store order counts
+def canonical(entry: dict[str, Any], place: Callable[[str], str] = str) -> list[tuple]:
+    """What the proxy compares of an order (type, store, products and counts, the delivery place,
+    status), a seat booking or a reservation (shop, time, party size, status). An in-store order counts
     as one item per product: the in-store tool orders one package at a time, while the task files
-    often list a visit's packages as one order."""
+    often list a visit's packages as one order. `place` maps an address to the known location it
+    resolves to, so two wordings of one place compare equal."""
     status = _status_class(entry.get("status", ""))
     if "order_id" in entry:
         lines = [(p.get("product_id"), p.get("quantity", 1)) for p in entry.get("products", [])]
         if entry.get("order_type") == "instore":
             return [("order", "instore", entry.get("store_id"), (line,), status) for line in lines]
-        address = _norm((entry.get("location") or {}).get("address") or "")
+        address = place((entry.get("location") or {}).get("address") or "")
         return [("order", entry.get("order_type"), entry.get("store_id"), tuple(sorted(lines, key=repr)), address, status)]
     if "book_id" in entry:
         return [("book", entry["shop_id"], entry.get("book_time"), entry.get("customer_count"), status)]
@@ -591,13 +597,22 @@ def _entries(state: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def proxy_score(task: Task, final_state: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     """1 when the world's orders/bookings/reservations that were created, changed, or are required
-    equal the required ones (as multisets of `canonical` forms); untouched old ones are ignored."""
+    equal the required ones (as multisets of `canonical` forms); untouched old ones are ignored.
+    Addresses compare as the known location the task's own world resolves them to."""
+    world = WORLDS_BY_DOMAIN[task.metadata["category"]](task.initial_state)
+
+    def place(address: str) -> str:
+        try:
+            return world._locate(address)["address"]
+        except ToolError:
+            return " ".join(address.lower().split())
+
     required = task.metadata["required_orders"]
     initial, final = _entries(task.initial_state), _entries(final_state)
     required_ids = {r.get("order_id") or r.get("book_id") or r.get("reservation_id") for r in required}
     relevant = [e for k, e in final.items() if k not in initial or e != initial[k] or k in required_ids]
-    want = Counter(item for e in required for item in canonical(e))
-    got = Counter(item for e in relevant for item in canonical(e))
+    want = Counter(item for e in required for item in canonical(e, place))
+    got = Counter(item for e in relevant for item in canonical(e, place))
     details = {"required": sum(want.values()), "matched": sum((want & got).values()),
                "missing": [list(k) for k in (want - got).elements()], "unexpected": [list(k) for k in (got - want).elements()]}
     return (1.0 if want == got else 0.0), details
@@ -605,7 +620,7 @@ def proxy_score(task: Task, final_state: dict[str, Any]) -> tuple[float, dict[st
 
 def _format_call(call: ToolCall, observation: dict[str, Any] | None) -> str:
     args = ", ".join(f"{k}={v!r}" for k, v in call.arguments.items())
-    return f"{call.name}({args}) -> {json.dumps(observation, ensure_ascii=False)[:1500]}"
+    return f"{call.name}({args}) -> {json.dumps(observation, ensure_ascii=False)}"
 
 
 def conversation_lines(trajectory: Trajectory) -> list[str]:
@@ -616,7 +631,7 @@ def conversation_lines(trajectory: Trajectory) -> list[str]:
     for m in trajectory.messages:
         if m["role"] == "user":
             lines.append(f"user: {m['content']}")
-        elif m["role"] == "assistant":
+        elif m["role"] == "assistant" and m.get("content"):
             lines.append(f"assistant: {m['content']}")
         elif m["role"] == "tool":
             lines.append("tool: " + _format_call(*next(calls)))
@@ -733,7 +748,7 @@ class VitaBench(Benchmark):
 
     def load_tasks(self, split: str = "test", limit: int | None = None, categories: list[str] | None = None) -> list[Task]:
         """Tasks of the given domains (default: all with a world here), `limit` per domain."""
-        calendar_libraries()  # a missing package fails here, naming the pip command
+        tool_libraries()  # a missing package fails here, naming the pip command
         wanted = categories or list(self.categories)
         unknown = [c for c in wanted if c not in self.categories]
         if unknown:
