@@ -12,14 +12,14 @@ import argparse
 from collections import Counter
 from typing import Any
 
-from envace.benchmarks.vitabench import VitaBench, _status_class, proxy_score
+from envace.benchmarks.vitabench import VitaBench, status_class, proxy_score
 from envace.types import Task, ToolCall
 
 
 def status_calls(kind: str, entry_id: str, status: str, free: bool = False, current: str = "unpaid") -> list[ToolCall]:
     """Calls that take an entry from `current` (a new one: unpaid) to `status` as the proxy tells
     statuses apart: cancel for cancelled, pay for a committed status (a free booking starts paid)."""
-    if _status_class(status) == _status_class(current):
+    if status_class(status) == status_class(current):
         return []
     pay = {"order": "pay_delivery_order", "instore_order": "pay_instore_order", "book": "pay_instore_book"}
     cancel = {"order": "cancel_delivery_order", "instore_order": "instore_cancel_order", "book": "instore_cancel_book",

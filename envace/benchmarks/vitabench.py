@@ -234,7 +234,8 @@ class VitaWorld(ToolWorld):
     def _set_status(self, collection: str, key: str, entry_id: str, new: str, allowed_from: tuple[str, ...] | None = None) -> dict[str, Any]:
         """Set `new`; `allowed_from` None: from any status but `new` itself (the benchmark cancels anything not cancelled)."""
         entry = self._entry(collection, key, entry_id)
-        if entry["status"] == new if allowed_from is None else entry["status"] not in allowed_from:
+        blocked = entry["status"] == new if allowed_from is None else entry["status"] not in allowed_from
+        if blocked:
             needs = f"a status other than {new}" if allowed_from is None else f"status {' or '.join(allowed_from)}"
             raise ToolError("INVALID_STATUS", f"{key} {entry_id} is {entry['status']}; this needs {needs}")
         entry["status"] = new
@@ -567,7 +568,7 @@ WORLDS_BY_DOMAIN: dict[str, type[VitaWorld]] = {"delivery": DeliveryWorld, "inst
 
 # ---- scoring ------------------------------------------------------------------------------------
 
-def _status_class(status: str) -> str:
+def status_class(status: str) -> str:
     """The task files name a committed order paid, processed, in-progress, delivered, unconsumed
     or consumed (annotators differ); the proxy tells apart only unpaid, cancelled and committed."""
     return status if status in ("unpaid", "cancelled") else "committed"
@@ -579,7 +580,7 @@ def canonical(entry: dict[str, Any], place: Callable[[str], str] = str) -> list[
     as one item per product: the in-store tool orders one package at a time, while the task files
     often list a visit's packages as one order. `place` maps an address to the known location it
     resolves to, so two wordings of one place compare equal."""
-    status = _status_class(entry.get("status", ""))
+    status = status_class(entry.get("status", ""))
     if "order_id" in entry:
         lines = [(p.get("product_id"), p.get("quantity", 1)) for p in entry.get("products", [])]
         if entry.get("order_type") == "instore":
