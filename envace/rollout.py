@@ -15,7 +15,8 @@ Users: later user turns are the task's `user_turns`, replayed, or, for tasks who
 All K x B episodes advance together: each round, every episode waiting for an ACT turn is
 generated in one batch, every episode waiting for a rehearsed response in another. Each
 episode owns a generator session, so a round feeds only the tokens appended since its last
-generation (the backend keeps the KV cache): the prefix is never encoded again.
+generation (the backend keeps the KV cache): the prefix is never encoded again. With
+`max_active`, at most that many episodes are in flight; the next starts as soon as one ends.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Callable, Literal, Protocol
 
 from tqdm.auto import tqdm
 
@@ -94,6 +95,9 @@ class RolloutConfig:
     # shows the error (ACT) or the broken response (REHEARSE) as the tool's answer and goes on.
     # An empty output always ends it.
     on_malformed: Literal["end", "continue"] = "end"
+    # Rollouts in flight at once (None: all). Each holds a world and a KV cache until it ends, so
+    # this bounds memory on large task sets; the next rollout starts when one finishes.
+    max_active: int | None = None
 
 
 def rollout_config_from(options: Any, **overrides: Any) -> RolloutConfig:
@@ -156,10 +160,11 @@ class RolloutEngine:
 
     # ---- public ----------------------------------------------------------------------
     def run(self, tasks: list[Task], k: int = 1, progress: bool = True, desc: str = "rollout") -> list[list[Trajectory]]:
-        """K rollouts of every task, all advancing together. Returns one group of K per task."""
-        episodes = [self._start(task, g) for task in tasks for g in range(k)]
-        self._drive(episodes, progress, desc)
-        return [[e.traj for e in episodes[i * k : (i + 1) * k]] for i in range(len(tasks))]
+        """K rollouts of every task, advancing together (at most `config.max_active` at a time).
+        Returns one group of K per task."""
+        slots = [(task, g) for task in tasks for g in range(k)]
+        trajs = [e.traj for e in self._drive(lambda i: self._start(*slots[i]), len(slots), progress, desc)]
+        return [trajs[i * k : (i + 1) * k] for i in range(len(tasks))]
 
     def resume(self, task: Task, prefix: Trajectory, k: int = 1, progress: bool = False, desc: str = "resume") -> list[Trajectory]:
         """K continuations of `prefix`, an unfinished trajectory of `task` (e.g. the pre-commit guard
@@ -172,15 +177,20 @@ class RolloutEngine:
             raise ValueError("resume needs mode 'rehearse' or 'simulator': a fresh real world lacks the prefix's effects")
         if prefix.end_reason is not None:
             raise ValueError(f"cannot resume a finished trajectory (ended: {prefix.end_reason.value})")
-        episodes = [self._resume(task, prefix, g) for g in range(k)]
-        self._drive(episodes, progress, desc)
-        return [e.traj for e in episodes]
+        return [e.traj for e in self._drive(lambda g: self._resume(task, prefix, g), k, progress, desc)]
 
-    def _drive(self, episodes: list[_Episode], progress: bool, desc: str) -> None:
-        """Advance every episode to its end, all together."""
-        bar = tqdm(total=len(episodes), desc=desc, disable=not progress, leave=False)
-        active = list(episodes)
-        while active:
+    def _drive(self, start: Callable[[int], _Episode], n: int, progress: bool, desc: str) -> list[_Episode]:
+        """Start episodes 0..n-1 (`start(i)`) and advance them together to their ends. At most
+        `config.max_active` run at once; the next one starts when one finishes, so a large task set
+        holds only that many worlds and KV caches. Returns the episodes in order."""
+        limit = self.config.max_active or n
+        bar = tqdm(total=n, desc=desc, disable=not progress, leave=False)
+        episodes: list[_Episode] = []
+        active: list[_Episode] = []
+        while active or len(episodes) < n:
+            while len(active) < limit and len(episodes) < n:
+                episodes.append(start(len(episodes)))
+                active.append(episodes[-1])
             self._answer_tools(active)
             acting = [e for e in active if e.traj.end_reason is None and not e.queue]
             if acting:
@@ -191,6 +201,7 @@ class RolloutEngine:
             bar.update(len(finished))
             active = [e for e in active if e.traj.end_reason is None]
         bar.close()
+        return episodes
 
     # ---- episode lifecycle -------------------------------------------------------------
     def _open(self, task: Task, traj: Trajectory) -> _Episode:

@@ -355,3 +355,17 @@ def test_rollout_record_is_kept_for_the_scorer(tokenizer):
     assert real.reward_details["benchmark"] == {"final": {"value": 5}}
     [[rehearsed]] = RolloutEngine(policy, Env(), RolloutConfig(mode="rehearse")).run([counter_task()], progress=False)
     assert "benchmark" not in rehearsed.reward_details  # no world ran
+
+
+def test_max_active_bounds_rollouts_in_flight_and_keeps_the_order(tokenizer):
+    tasks = [counter_task() for _ in range(5)]
+    for i, t in enumerate(tasks):
+        t.id = f"t{i}"
+    eng, policy = engine(tokenizer, "real", max_active=2)
+    sizes, generate = [], policy.generate
+    policy.generate = lambda sessions, *a: sizes.append(len(policy.sequences)) or generate(sessions, *a)
+    groups = eng.run(tasks, k=2, progress=False)
+    assert max(sizes) == 2 and len(sizes) > 2 * 2  # never more than 2 sessions open; the 10 rollouts queued
+    assert [[t.task_id for t in g] for g in groups] == [[f"t{i}"] * 2 for i in range(5)] and [t.group for g in groups for t in g] == [0, 1] * 5
+    unbounded, _ = engine(tokenizer, "real")
+    assert [t.final_answer for g in groups for t in g] == [t.final_answer for g in unbounded.run(tasks, k=2, progress=False) for t in g]

@@ -66,6 +66,7 @@ class EvalConfig:
     max_total_tokens: int = field(3072, help="tokens per trajectory, prompt included")
     accept_fenced_json: bool = field(False, help="also parse ```json tool calls (lenient)")
     on_malformed: Literal["end", "continue"] = field("end", help="after a malformed tool call/rehearsal: end the rollout, or show the error and go on")
+    max_active: int | None = field(64, help="rollouts in flight at once (each holds a world and a KV cache): bounds memory on large task sets; 0 = all at once")
     seed: int = field(0, help="random seed (task generation and sampling)")
     output_dir: str | None = field(None, help="where to write results (default runs/eval-<time>, with --benchmark runs/bench-<time>)")
     progress: bool = field(True, help="show progress bars")
@@ -90,6 +91,8 @@ class EvalConfig:
         if self.judge and self.reward_name != "judge" and self.benchmark not in (*judged, "all"):
             raise ConfigError(f"--judge is read by --reward judge and by the LLM-judged benchmarks ({', '.join(judged)}, or all); "
                               f"here it would be unused: add --reward judge or drop --judge")
+        if self.max_active is not None and self.max_active < 0:
+            raise ConfigError(f"max_active must be >= 1, or 0 for all at once, got {self.max_active}")
         for name, value in (("k", self.k), ("n_per_world", self.n_per_world), ("max_turns", self.max_turns), ("max_turn_tokens", self.max_turn_tokens)):
             if value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
