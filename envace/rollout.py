@@ -50,12 +50,13 @@ class Environment(Protocol):
 class UserSimulator(Protocol):
     """Plays the user of a conversational task (metadata `needs_user_simulator`).
 
-    `start` gives the first user message (it follows `task.messages`); `respond` the next one after
-    the agent answered, or None when the user ends the conversation. `messages` is the readable
+    `start` gives the first user message (it follows `task.messages`), or None when the user ends
+    the conversation before it begins (the trajectory ends with `user_ended`); `respond` the next
+    one after the agent answered, or None when the user ends the conversation. `messages` is the readable
     chat so far (`Trajectory.messages`). `world` is the rollout's live world (None outside real
     mode), for users who act on it themselves (e.g. a customer toggling settings on their phone)."""
 
-    def start(self, task: Task, world: ToolWorld | None = None) -> str: ...
+    def start(self, task: Task, world: ToolWorld | None = None) -> str | None: ...
 
     def respond(self, task: Task, messages: list[dict[str, Any]], world: ToolWorld | None = None) -> str | None: ...
 
@@ -216,6 +217,10 @@ class RolloutEngine:
         first = self._user(task).start(task, ep.world) if _simulated(task) else None
         if first is None:
             self._prompt(ep, messages)
+            if _simulated(task):
+                # The simulated user left before saying anything: the conversation is over, and
+                # the benchmark scores it as it stands.
+                self._end(ep, EndReason.USER_ENDED)
         elif messages and messages[-1]["role"] == "assistant":
             # The task's opening agent message (e.g. "Hi! How can I help you today?") is an
             # assistant turn the agent continues from; the simulated user answers it.

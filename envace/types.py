@@ -36,6 +36,7 @@ class EndReason(str, enum.Enum):
     MALFORMED_REHEARSAL = "malformed_rehearsal"  # rehearsed tool response was not a JSON object
     EMPTY_OUTPUT = "empty_output"
     STOPPED = "stopped"  # e.g. the pre-commit guard asked the user instead of executing
+    USER_ENDED = "user_ended"  # the simulated user ended the conversation before its first message
 
 
 @dataclass

@@ -369,3 +369,16 @@ def test_max_active_bounds_rollouts_in_flight_and_keeps_the_order(tokenizer):
     assert [[t.task_id for t in g] for g in groups] == [[f"t{i}"] * 2 for i in range(5)] and [t.group for g in groups for t in g] == [0, 1] * 5
     unbounded, _ = engine(tokenizer, "real")
     assert [t.final_answer for g in groups for t in g] == [t.final_answer for g in unbounded.run(tasks, k=2, progress=False) for t in g]
+
+
+def test_a_user_who_leaves_at_once_ends_the_trajectory_not_the_run(tokenizer):
+    class Leaving(ScriptedUser):
+        def start(self, task, world=None):
+            return None if task.id == "leaves" else super().start(task, world)
+
+    tasks = [chat_task(), Task(**{**chat_task().__dict__, "id": "leaves"})]
+    policy = ScriptedGenerator(tokenizer, turn_agent)
+    [[stays], [left]] = RolloutEngine(policy, WorldEnvironment(), RolloutConfig(), user_simulator=Leaving()).run(tasks, progress=False)
+    assert stays.end_reason == EndReason.ANSWERED and stays.tool_calls
+    assert left.end_reason == EndReason.USER_ENDED and not left.tool_calls and [m["role"] for m in left.messages] == ["system", "assistant"]
+    assert policy.sequences == {}  # its session was closed too

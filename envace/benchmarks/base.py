@@ -136,9 +136,9 @@ def category_accuracy(results: list[dict[str, Any]]) -> dict[str, dict[str, floa
 
 
 def completed(trajectory: Trajectory) -> bool:
-    """Did the conversation end normally (the agent answered and no user turn was left)?
-    Hand-built trajectories (no end reason) count as complete."""
-    return trajectory.end_reason in (None, EndReason.ANSWERED)
+    """Did the conversation end normally (the agent answered and no user turn was left, or the
+    simulated user ended it)? Hand-built trajectories (no end reason) count as complete."""
+    return trajectory.end_reason in (None, EndReason.ANSWERED, EndReason.USER_ENDED)
 
 
 def assistant_texts(trajectory: Trajectory) -> list[str]:

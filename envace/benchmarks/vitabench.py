@@ -812,11 +812,8 @@ class VitaUserSimulator:
         reply = self.chat([self._system(task), *turns]).strip()
         return None if STOP in reply else reply
 
-    def start(self, task: Task, world: ToolWorld | None = None) -> str:
-        reply = self._reply(task, [{"role": "user", "content": GREETING}])
-        if reply is None:
-            raise RuntimeError(f"the simulated user ended task {task.id} before saying anything")
-        return reply
+    def start(self, task: Task, world: ToolWorld | None = None) -> str | None:
+        return self._reply(task, [{"role": "user", "content": GREETING}])  # None: the user ends at once
 
     def respond(self, task: Task, messages: list[dict[str, Any]], world: ToolWorld | None = None) -> str | None:
         """Roles flipped: the agent's texts are the simulator's input, the user's messages its own."""
