@@ -257,7 +257,8 @@ class VitaWorld(ToolWorld):
           {"address": {"type": "string"}, "date_start": {"type": "string"}, "date_end": {"type": "string"}},
           ["address", "date_start", "date_end"])
     def weather(self, address: str, date_start: str, date_end: str) -> dict[str, Any]:
-        _parse_date(date_start, "date_start"), _parse_date(date_end, "date_end")
+        _parse_date(date_start, "date_start")
+        _parse_date(date_end, "date_end")
         cities = list(dict.fromkeys(w["city"] for w in self.state.get("weather", [])))
         best = _best_match(str(address), cities)  # the benchmark's city lookup: fuzzy, score >= 50
         if best is None or best[1] < 50:
