@@ -16,9 +16,9 @@ from envace.benchmarks.vitabench import VitaBench, status_class, proxy_score
 from envace.types import Task, ToolCall
 
 
-def status_calls(kind: str, entry_id: str, status: str, free: bool = False, current: str = "unpaid") -> list[ToolCall]:
-    """Calls that take an entry from `current` (a new one: unpaid) to `status` as the proxy tells
-    statuses apart: cancel for cancelled, pay for a committed status (a free booking starts paid)."""
+def status_calls(kind: str, entry_id: str, status: str, current: str) -> list[ToolCall]:
+    """Calls that take an entry from `current` to `status` as the proxy tells statuses apart:
+    cancel for cancelled, pay for a committed status."""
     if status_class(status) == status_class(current):
         return []
     pay = {"order": "pay_delivery_order", "instore_order": "pay_instore_order", "book": "pay_instore_book"}
@@ -27,62 +27,54 @@ def status_calls(kind: str, entry_id: str, status: str, free: bool = False, curr
     key = {"order": "order_id", "instore_order": "order_id", "book": "book_id", "reservation": "reservation_id"}[kind]
     if status == "cancelled":
         return [ToolCall(cancel[kind], {key: entry_id})]
-    if kind in pay and not free:
-        return [ToolCall(pay[kind], {key: entry_id})]
-    return []
+    return [ToolCall(pay[kind], {key: entry_id})] if kind in pay else []
 
 
-def oracle_calls(task: Task) -> list[ToolCall]:
-    """Tool calls that create (or, for entries the task starts with, update) every required entry.
-    New entries get the ids the world will give them, in order."""
-    state, user, now = task.initial_state, task.initial_state["user_id"], task.metadata["time"]
-    world_cls = VitaBench().make_world(task).__class__
-    digits, prefix = world_cls.id_digits, state["id_prefix"]
-    initial = {k: e for c in ("orders", "books", "reservations") for k, e in state.get(c, {}).items()}
-    taken = set(initial)
-    calls: list[ToolCall] = []
-
-    def new_id() -> str:
-        n = 1
-        while (candidate := f"{prefix}T{n:0{digits}d}") in taken:
-            n += 1
-        taken.add(candidate)
-        return candidate
-
-    for entry in task.metadata["required_orders"]:
-        existing = next((entry[k] for k in ("order_id", "book_id", "reservation_id") if entry.get(k) in initial), None)
-        kind = "order" if entry.get("order_type") == "delivery" else "instore_order" if "order_id" in entry else "book" if "book_id" in entry else "reservation"
-        if existing is not None:
-            calls += status_calls(kind, existing, entry.get("status", ""), current=initial[existing]["status"])
-        elif kind == "order":
-            products = entry.get("products", [])
-            arguments = {"user_id": user, "store_id": entry["store_id"], "product_ids": [p.get("product_id", "") for p in products],
-                         "product_cnts": [p.get("quantity", 1) for p in products], "address": (entry.get("location") or {}).get("address", ""),
-                         "dispatch_time": entry.get("dispatch_time") or now, "attributes": [p.get("attributes") or "" for p in products],
-                         "note": entry.get("note", "")}
-            calls.append(ToolCall("create_delivery_order", arguments))
-            calls += status_calls(kind, new_id(), entry.get("status", ""))
-        elif kind == "instore_order":
-            for p in entry.get("products", []):
-                calls.append(ToolCall("create_instore_product_order", {"user_id": user, "shop_id": entry["store_id"], "product_id": p.get("product_id", ""), "quantity": p.get("quantity", 1)}))
-                calls += status_calls(kind, new_id(), entry.get("status", ""))
-        elif kind == "book":
-            calls.append(ToolCall("instore_book", {"user_id": user, "shop_id": entry["shop_id"], "time": entry.get("book_time", ""), "customer_count": entry.get("customer_count", 1)}))
-            shop = state["shops"].get(entry["shop_id"], {})
-            calls += status_calls(kind, new_id(), entry.get("status", ""), free=not shop.get("book_price"))
-        else:
-            calls.append(ToolCall("instore_reservation", {"user_id": user, "shop_id": entry["shop_id"], "time": entry.get("reservation_time", ""), "customer_count": entry.get("customer_count", 1)}))
-            calls += status_calls(kind, new_id(), entry.get("status", ""))
-    return calls
+def creation_call(entry: dict[str, Any], kind: str, user: str, now: str) -> list[ToolCall]:
+    """The calls that create a required entry (an in-store order: one per package)."""
+    if kind == "order":
+        products = entry.get("products", [])
+        return [ToolCall("create_delivery_order", {
+            "user_id": user, "store_id": entry["store_id"], "product_ids": [p.get("product_id", "") for p in products],
+            "product_cnts": [p.get("quantity", 1) for p in products], "address": (entry.get("location") or {}).get("address", ""),
+            "dispatch_time": entry.get("dispatch_time") or now, "attributes": [p.get("attributes") or "" for p in products],
+            "note": entry.get("note", "")})]
+    if kind == "instore_order":
+        return [ToolCall("create_instore_product_order", {"user_id": user, "shop_id": entry["store_id"], "product_id": p.get("product_id", ""),
+                                                          "quantity": p.get("quantity", 1)}) for p in entry.get("products", [])]
+    if kind == "book":
+        return [ToolCall("instore_book", {"user_id": user, "shop_id": entry["shop_id"], "time": entry.get("book_time", ""),
+                                          "customer_count": entry.get("customer_count", 1)})]
+    return [ToolCall("instore_reservation", {"user_id": user, "shop_id": entry["shop_id"], "time": entry.get("reservation_time", ""),
+                                             "customer_count": entry.get("customer_count", 1)})]
 
 
 def replay(bench: VitaBench, task: Task) -> tuple[float, dict[str, Any], list[str]]:
+    """Create (or, for entries the task starts with, update) every required entry through the
+    tools, then score the world with the proxy. Returns the score, its details and the tool errors."""
     world = bench.make_world(task)
+    initial = {k: e for c in ("orders", "books", "reservations") for k, e in task.initial_state.get(c, {}).items()}
     errors = []
-    for call in oracle_calls(task):
+
+    def execute(call: ToolCall) -> dict[str, Any]:
         observation = world.execute(call)
         if "error" in observation:
             errors.append(f"{call.name}: {observation['error']['code']}: {observation['error']['message'][:160]}")
+        return observation
+
+    for entry in task.metadata["required_orders"]:
+        kind = "order" if entry.get("order_type") == "delivery" else "instore_order" if "order_id" in entry else "book" if "book_id" in entry else "reservation"
+        key = "book_id" if kind == "book" else "reservation_id" if kind == "reservation" else "order_id"
+        status = entry.get("status", "")
+        if entry.get(key) in initial:
+            for call in status_calls(kind, entry[key], status, current=initial[entry[key]]["status"]):
+                execute(call)
+            continue
+        for call in creation_call(entry, kind, task.initial_state["user_id"], task.metadata["time"]):
+            created = execute(call)
+            if key in created:  # the id the world gave it; its status starts as the tool sets it
+                for follow in status_calls(kind, created[key], status, current=created["status"]):
+                    execute(follow)
     value, details = proxy_score(task, world.state)
     return value, details, errors
 
