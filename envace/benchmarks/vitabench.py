@@ -242,19 +242,26 @@ class VitaWorld(ToolWorld):
         entry["update_time"] = self.state["time"]
         return entry
 
-    @tool("Distance in meters between two points given by longitude and latitude.",
-          {"longitude1": {"type": "number"}, "latitude1": {"type": "number"}, "longitude2": {"type": "number"}, "latitude2": {"type": "number"}},
+    @tool("Straight-line (great-circle) distance between two points given as longitude/latitude in decimal degrees. Returns a whole number of meters; useful e.g. to feed delivery_distance_to_time.",
+          {"longitude1": {"type": "number", "description": "Longitude of the first point, decimal degrees."},
+           "latitude1": {"type": "number", "description": "Latitude of the first point, decimal degrees."},
+           "longitude2": {"type": "number", "description": "Longitude of the second point, decimal degrees."},
+           "latitude2": {"type": "number", "description": "Latitude of the second point, decimal degrees."}},
           ["longitude1", "latitude1", "longitude2", "latitude2"])
     def longitude_latitude_to_distance(self, longitude1: float, latitude1: float, longitude2: float, latitude2: float) -> dict[str, Any]:
         return {"distance_m": _distance_m(longitude1, latitude1, longitude2, latitude2)}
 
-    @tool("Longitude and latitude of an address.", {"address": {"type": "string"}}, ["address"])
+    @tool("Looks up the coordinates of an address. The text is fuzzily matched against the addresses known to this task (user's addresses, businesses, existing orders); returns the matched address with its longitude and latitude, or an error when nothing matches well enough.",
+          {"address": {"type": "string", "description": "Address text to look up; need not be exact, close wording of a known address matches."}},
+          ["address"])
     def address_to_longitude_latitude(self, address: str) -> dict[str, Any]:
         loc = self._locate(address)
         return {"address": loc["address"], "longitude": loc["longitude"], "latitude": loc["latitude"]}
 
-    @tool("Weather at an address from date_start to date_end (yyyy-mm-dd, inclusive).",
-          {"address": {"type": "string"}, "date_start": {"type": "string"}, "date_end": {"type": "string"}},
+    @tool("Daily weather for the city containing an address over a date range (both ends included). The address is fuzzily matched to a city with weather data; errors if the city or dates are unknown.",
+          {"address": {"type": "string", "description": "Address or city name whose weather is wanted."},
+           "date_start": {"type": "string", "description": "First day of the range, formatted yyyy-mm-dd."},
+           "date_end": {"type": "string", "description": "Last day of the range (included), formatted yyyy-mm-dd."}},
           ["address", "date_start", "date_end"])
     def weather(self, address: str, date_start: str, date_end: str) -> dict[str, Any]:
         _parse_date(date_start, "date_start")
@@ -268,14 +275,18 @@ class VitaWorld(ToolWorld):
             raise ToolError("NO_WEATHER", f"no weather for {best[0]} from {date_start} to {date_end}")
         return {"weather": days}
 
-    @tool("Whether a date (yyyy-mm-dd) is a public holiday in China, and which.", {"date": {"type": "string"}}, ["date"])
+    @tool("Tells whether a given day is a public holiday in mainland China and, if so, gives the holiday's name (null otherwise).",
+          {"date": {"type": "string", "description": "Day to check, formatted yyyy-mm-dd."}},
+          ["date"])
     def get_date_holiday_info(self, date: str) -> dict[str, Any]:
         day = _parse_date(date, "date").date()
         holidays, _ = tool_libraries()
         return {"date": date, "holiday": holidays.China(years=day.year).get(day)}
 
-    @tool("The date (yyyy-mm-dd) of a holiday or festival in a year (2023-2025), by name (close spellings match).",
-          {"year": {"type": "string"}, "holiday_name": {"type": "string"}}, ["year", "holiday_name"])
+    @tool("Finds the calendar date of a named holiday or festival (e.g. Mid-Autumn Festival, Qixi Festival) in a given year. Names are English and matched loosely; only 2023-2025 are covered. Returns the matched name and its yyyy-mm-dd date.",
+          {"year": {"type": "string", "description": "Four-digit year as a string, e.g. \"2025\"."},
+           "holiday_name": {"type": "string", "description": "English holiday name, e.g. \"Dragon Boat Festival\"; partial or slightly different spellings are accepted."}},
+          ["year", "holiday_name"])
     def get_holiday_date(self, year: str, holiday_name: str) -> dict[str, Any]:
         if not re.fullmatch(r"\d{4}", str(year)):
             raise ToolError("INVALID_YEAR", f"year {year!r} must be four digits, e.g. 2025")
@@ -288,16 +299,18 @@ class VitaWorld(ToolWorld):
             raise ToolError("HOLIDAY_NOT_FOUND", f"no holiday named {holiday_name!r} in {year}; known: {', '.join(dates)}")
         return {"holiday": match[0], "date": dates[match[0]]}
 
-    @tool("The user's profile and history: id, home and work address, habits, preferences per scenario.")
+    @tool("Returns the current user's profile: user id, home and work addresses, and past behaviour per scenario (usual spending, favourite categories, price range, rating expectations, preferred times). Use it to personalise suggestions and to obtain the user_id other tools need.")
     def get_user_historical_behaviors(self) -> dict[str, Any]:
         return {"user_id": self.state["user_id"], **self.state.get("user_historical_behaviors", {})}
 
-    @tool("All of the user's orders.")
+    @tool("Lists every order the current user has in this task (any type and status), with full details.")
     def get_user_all_orders(self) -> dict[str, Any]:
         return {"orders": list(self.state.get("orders", {}).values())}
 
-    @tool("Businesses within `range` meters of a point, nearest first.",
-          {"longitude": {"type": "number"}, "latitude": {"type": "number"}, "range": {"type": "number"}},
+    @tool("Lists the businesses of this domain (delivery stores or in-store shops) lying within a radius of a point, closest first, each with id, name, distance in meters and address.",
+          {"longitude": {"type": "number", "description": "Longitude of the centre point, decimal degrees."},
+           "latitude": {"type": "number", "description": "Latitude of the centre point, decimal degrees."},
+           "range": {"type": "number", "description": "Search radius around the point, in meters."}},
           ["longitude", "latitude", "range"])
     def get_nearby(self, longitude: float, latitude: float, range: float) -> dict[str, Any]:
         near = []
@@ -329,38 +342,49 @@ class DeliveryWorld(VitaWorld):
             raise ToolError("NOT_FOUND", f"order {order_id!r} is not a delivery order")
         return order
 
-    @tool("Delivery time in minutes for a distance in meters.", {"distance": {"type": "number"}}, ["distance"])
+    @tool("Estimates how long a rider needs to bring food over a given store-to-customer distance. Returns whole minutes; add them to a dispatch time to get the arrival time.",
+          {"distance": {"type": "number", "description": "Distance from store to delivery address, in meters (e.g. from longitude_latitude_to_distance)."}},
+          ["distance"])
     def delivery_distance_to_time(self, distance: float) -> dict[str, Any]:
         return {"minutes": round(25 + round(distance) * 0.00651)}
 
-    @tool("A store's details: id, rating, address, coordinates, tags, products.", {"store_id": {"type": "string"}}, ["store_id"])
+    @tool("Full details of one delivery store: id, name, rating, address with coordinates, tags and its complete product list (with prices and selectable attributes).",
+          {"store_id": {"type": "string", "description": "Store id, e.g. S85277471199200385_S98778, as shown in search results."}},
+          ["store_id"])
     def get_delivery_store_info(self, store_id: str) -> dict[str, Any]:
         return self._store(store_id)
 
-    @tool("A product's details: name, id, store, price, tags, attributes.", {"product_id": {"type": "string"}}, ["product_id"])
+    @tool("Full details of one delivery product (dish): name, id, owning store's id and name, price, tags and selectable attributes/options.",
+          {"product_id": {"type": "string", "description": "Product id, e.g. S26110520013660896_P88296, as shown in search results or store info."}},
+          ["product_id"])
     def get_delivery_product_info(self, product_id: str) -> dict[str, Any]:
         for p in self._products():
             if p["product_id"] == product_id:
                 return p
         raise ToolError("NOT_FOUND", f"product {product_id!r} not found")
 
-    @tool("Search or recommend delivery stores by keywords taken from the user's request.",
-          {"keywords": {"type": "array", "items": {"type": "string"}}}, ["keywords"])
+    @tool("Delivery: find or recommend stores. Pull keywords describing the wanted store (cuisine, name, features) out of what the user said; returns all stores ranked by fuzzy match on name and tags, best first, without product lists. Then help the user settle on one store.",
+          {"keywords": {"type": "array", "items": {"type": "string"}, "description": "Short words or phrases describing the store wanted, e.g. [\"rice noodles\", \"quick service\"]."}},
+          ["keywords"])
     def delivery_store_search_recommand(self, keywords: list[str]) -> dict[str, Any]:
         stores = [{k: v for k, v in s.items() if k != "products"} for s in self._places()]  # details: get_delivery_store_info
         return {"stores": _rank(stores, keywords, lambda s: s["name"] + "".join(s["tags"]))}
 
-    @tool("Search or recommend delivery products by keywords taken from the user's request.",
-          {"keywords": {"type": "array", "items": {"type": "string"}}}, ["keywords"])
+    @tool("Delivery: find or recommend dishes. Pull keywords describing the wanted food out of the user's words; returns all products ranked by fuzzy match on store name, product name and tags, best first. Then help the user choose items and place an order.",
+          {"keywords": {"type": "array", "items": {"type": "string"}, "description": "Short words or phrases describing the food wanted, e.g. [\"crayfish\", \"spicy\"]."}},
+          ["keywords"])
     def delivery_product_search_recommand(self, keywords: list[str]) -> dict[str, Any]:
         return {"products": _rank(self._products(), keywords, lambda p: f"{p.get('store_name', '')}, {p['name']}, {p.get('tags', [])}")}
 
-    @tool("Create a delivery order (unpaid) from one store: products with counts (and optional attributes, per product), "
-          "delivery address, dispatch time (when the rider leaves the store, yyyy-mm-dd HH:MM:SS, not in the past) and a note "
-          "(e.g. dietary restrictions; not for timing wishes).",
-          {"user_id": {"type": "string"}, "store_id": {"type": "string"}, "product_ids": {"type": "array", "items": {"type": "string"}},
-           "product_cnts": {"type": "array", "items": {"type": "integer"}}, "address": {"type": "string"}, "dispatch_time": {"type": "string"},
-           "attributes": {"type": "array", "items": {"type": "string"}}, "note": {"type": "string"}},
+    @tool("Places an unpaid delivery order from exactly one store, for one or more of its products. Settle the store, items, counts, options, address and timing first, and record the user's dietary restrictions in the note. Computes delivery duration and arrival time. Returns the order (with order_id); afterwards ask whether the user wants to pay.",
+          {"user_id": {"type": "string", "description": "The current user's id (e.g. U000001), as given by get_user_historical_behaviors."},
+           "store_id": {"type": "string", "description": "Id of the single store being ordered from."},
+           "product_ids": {"type": "array", "items": {"type": "string"}, "description": "Ids of the products to order, all from that store."},
+           "product_cnts": {"type": "array", "items": {"type": "integer"}, "description": "Quantity for each product, same order and length as product_ids; each must be positive."},
+           "address": {"type": "string", "description": "Delivery destination address; fuzzily matched to a known address to compute distance."},
+           "dispatch_time": {"type": "string", "description": "When the rider leaves the store with the food, yyyy-mm-dd HH:MM:SS; not earlier than now."},
+           "attributes": {"type": "array", "items": {"type": "string"}, "description": "Optional chosen option/specification per product (e.g. \"Mild Spicy\"), aligned with product_ids; use \"\" for none."},
+           "note": {"type": "string", "description": "Optional remark for the store, e.g. dietary restrictions; never put timing requests here (use dispatch_time)."}},
           ["user_id", "store_id", "product_ids", "product_cnts", "address", "dispatch_time"])
     def create_delivery_order(self, user_id: str, store_id: str, product_ids: list[str], product_cnts: list[int], address: str,
                               dispatch_time: str, attributes: list[str] | None = None, note: str = "") -> dict[str, Any]:
@@ -392,34 +416,47 @@ class DeliveryWorld(VitaWorld):
         self.state["orders"][order["order_id"]] = order
         return order
 
-    @tool("Pay an unpaid delivery order (after the user confirms).", {"order_id": {"type": "string"}}, ["order_id"])
+    @tool("Pays a delivery order once the user has explicitly agreed to pay for an order just discussed. Works only while the order is unpaid; it then becomes paid.",
+          {"order_id": {"type": "string", "description": "Id of the delivery order to pay, as returned when it was created."}},
+          ["order_id"])
     def pay_delivery_order(self, order_id: str) -> dict[str, Any]:
         self._delivery_order(order_id)
         return self._set_status("orders", "order", order_id, "paid", ("unpaid",))
 
-    @tool("A delivery order's status.", {"order_id": {"type": "string"}}, ["order_id"])
+    @tool("Returns the current status (e.g. unpaid, paid, cancelled) of one delivery order.",
+          {"order_id": {"type": "string", "description": "Id of the delivery order."}},
+          ["order_id"])
     def get_delivery_order_status(self, order_id: str) -> dict[str, Any]:
         return {"order_id": order_id, "status": self._delivery_order(order_id)["status"]}
 
-    @tool("Cancel a delivery order; not for orders already cancelled.", {"order_id": {"type": "string"}}, ["order_id"])
+    @tool("Cancels a delivery order, or withdraws an unpaid one, when the user asks. Check its status first: an order that is already cancelled must not be cancelled again (this fails).",
+          {"order_id": {"type": "string", "description": "Id of the delivery order to cancel."}},
+          ["order_id"])
     def cancel_delivery_order(self, order_id: str) -> dict[str, Any]:
         self._delivery_order(order_id)
         return self._set_status("orders", "order", order_id, "cancelled")
 
-    @tool("Replace a delivery order's note.", {"order_id": {"type": "string"}, "note": {"type": "string"}}, ["order_id", "note"])
+    @tool("Replaces the note (remark) of one clearly identified delivery order when the user wants it changed. Returns the updated order; if it is still unpaid, ask the user to confirm payment.",
+          {"order_id": {"type": "string", "description": "Id of the delivery order to change."},
+           "note": {"type": "string", "description": "The new note, replacing the old one entirely."}},
+          ["order_id", "note"])
     def modify_delivery_order(self, order_id: str, note: str) -> dict[str, Any]:
         order = self._delivery_order(order_id)
         order["note"] = note
         order["update_time"] = self.state["time"]
         return order
 
-    @tool("The user's delivery orders with a given status (default unpaid).",
-          {"user_id": {"type": "string"}, "status": {"type": "string"}}, ["user_id"])
+    @tool("Lists the current user's delivery orders that have a given status (unpaid when no status is given), with id, type, store, total price, creation/update times, status and items.",
+          {"user_id": {"type": "string", "description": "The current user's id (e.g. U000001), as given by get_user_historical_behaviors."},
+           "status": {"type": "string", "description": "Order status to filter by, e.g. unpaid, paid, cancelled; defaults to unpaid."}},
+          ["user_id"])
     def search_delivery_orders(self, user_id: str, status: str = "unpaid") -> dict[str, Any]:
         self._check_user(user_id)
         return {"orders": [o for o in self.state["orders"].values() if o.get("order_type") == "delivery" and o["status"] == status]}
 
-    @tool("A delivery order's full details.", {"order_id": {"type": "string"}}, ["order_id"])
+    @tool("Full record of one clearly identified delivery order: id, type, store, address, dispatch time, delivery duration (minutes), arrival time, total price, creation/update times, status, note and items.",
+          {"order_id": {"type": "string", "description": "Id of the delivery order."}},
+          ["order_id"])
     def get_delivery_order_detail(self, order_id: str) -> dict[str, Any]:
         return self._delivery_order(order_id)
 
@@ -444,20 +481,25 @@ class InstoreWorld(VitaWorld):
             raise ToolError("NOT_FOUND", f"order {order_id!r} is not an in-store order")
         return order
 
-    @tool("Recommend shops for in-store services by keywords (for vague requests: no specific shop or package).",
-          {"keywords": {"type": "array", "items": {"type": "string"}}}, ["keywords"])
+    @tool("In-store services: when the user's wish is vague (no specific shop or package named), recommend shops. Build keywords from the request and the user's preferences; returns shops ranked by fuzzy match on name and tags, with rating, location, booking/reservation support and booking fee. Then have the user pick a shop, then a package.",
+          {"keywords": {"type": "array", "items": {"type": "string"}, "description": "Short words or phrases describing the shop or service wanted, e.g. [\"hot pot\", \"private room\"]."}},
+          ["keywords"])
     def instore_shop_search_recommend(self, keywords: list[str]) -> dict[str, Any]:
         shops = [{k: s[k] for k in SHOP_FIELDS if k in s} for s in self._places()]
         return {"shops": _rank(shops, keywords, lambda s: f"{s['shop_name']},{s['tags']}")}
 
-    @tool("Search or recommend in-store packages (products) by keywords.",
-          {"keywords": {"type": "array", "items": {"type": "string"}}}, ["keywords"])
+    @tool("In-store services: find or recommend packages (vouchers/set deals) from keywords taken from the user's words; returns packages of all shops ranked by fuzzy match on name and tags, with price and shop id. Then help the user pick one and order it.",
+          {"keywords": {"type": "array", "items": {"type": "string"}, "description": "Short words or phrases describing the package wanted, e.g. [\"massage\", \"60 minutes\"]."}},
+          ["keywords"])
     def instore_product_search_recommend(self, keywords: list[str]) -> dict[str, Any]:
         products = [{k: p[k] for k in PACKAGE_FIELDS if k in p} for s in self._places() for p in s["products"]]
         return {"products": _rank(products, keywords, lambda p: f"{p['name']},{p['tags']}")}
 
-    @tool("Create an in-store order (unpaid) for one package of a shop.",
-          {"user_id": {"type": "string"}, "shop_id": {"type": "string"}, "product_id": {"type": "string"}, "quantity": {"type": "integer"}},
+    @tool("Places an unpaid in-store order for one package of one shop (several copies allowed). Settle the shop and package first. Returns the order with its order_id; then ask whether the user wants to pay.",
+          {"user_id": {"type": "string", "description": "The current user's id (e.g. U000001), as given by get_user_historical_behaviors."},
+           "shop_id": {"type": "string", "description": "Id of the shop, e.g. S17564420237542211_I00001."},
+           "product_id": {"type": "string", "description": "Id of a package sold by that shop, e.g. S17564420237542211_P00001."},
+           "quantity": {"type": "integer", "description": "How many of the package to buy; positive, defaults to 1."}},
           ["user_id", "shop_id", "product_id"])
     def create_instore_product_order(self, user_id: str, shop_id: str, product_id: str, quantity: int = 1) -> dict[str, Any]:
         self._check_user(user_id)
@@ -474,19 +516,26 @@ class InstoreWorld(VitaWorld):
         self.state["orders"][order["order_id"]] = order
         return order
 
-    @tool("Pay an unpaid in-store order (the user confirmed payment).", {"order_id": {"type": "string"}}, ["order_id"])
+    @tool("Pays an in-store order already shown in the conversation, once the user confirms payment. Only an unpaid order can be paid; it then becomes paid.",
+          {"order_id": {"type": "string", "description": "Id of the in-store order to pay."}},
+          ["order_id"])
     def pay_instore_order(self, order_id: str) -> dict[str, Any]:
         self._instore_order(order_id)
         return self._set_status("orders", "order", order_id, "paid", ("unpaid",))
 
-    @tool("Cancel an in-store order; not for orders already cancelled.", {"order_id": {"type": "string"}}, ["order_id"])
+    @tool("Cancels an in-store order, or withdraws an unpaid one, at the user's request. Check its status first; an order that is already cancelled must not be cancelled again (this fails).",
+          {"order_id": {"type": "string", "description": "Id of the in-store order to cancel."}},
+          ["order_id"])
     def instore_cancel_order(self, order_id: str) -> dict[str, Any]:
         self._instore_order(order_id)
         return self._set_status("orders", "order", order_id, "cancelled")
 
-    @tool("Book seats/a table at a shop that takes bookings; unpaid while the shop charges a booking fee.",
-          {"user_id": {"type": "string"}, "shop_id": {"type": "string"}, "time": {"type": "string", "description": "yyyy-mm-dd HH:MM:SS"},
-           "customer_count": {"type": "integer"}}, ["user_id", "shop_id", "time"])
+    @tool("Reserves physical seats or a table at a chosen shop that accepts seat bookings (enable_book). Returns the booking with its book_id. If the shop charges a booking fee the booking starts unpaid and you should ask the user about paying; with no fee it is paid at once.",
+          {"user_id": {"type": "string", "description": "The current user's id (e.g. U000001), as given by get_user_historical_behaviors."},
+           "shop_id": {"type": "string", "description": "Id of the shop to book at."},
+           "time": {"type": "string", "description": "Arrival time for the booking, yyyy-mm-dd HH:MM:SS."},
+           "customer_count": {"type": "integer", "description": "Number of people to seat; positive, defaults to 1."}},
+          ["user_id", "shop_id", "time"])
     def instore_book(self, user_id: str, shop_id: str, time: str, customer_count: int = 1) -> dict[str, Any]:
         self._check_user(user_id)
         shop = self._shop(shop_id)
@@ -501,17 +550,24 @@ class InstoreWorld(VitaWorld):
         self.state["books"][book["book_id"]] = book
         return book
 
-    @tool("Pay a seat booking's fee.", {"book_id": {"type": "string"}}, ["book_id"])
+    @tool("Pays the booking fee of one clearly identified seat booking. Only an unpaid booking can be paid; it then becomes paid.",
+          {"book_id": {"type": "string", "description": "Id of the seat booking, as returned by instore_book."}},
+          ["book_id"])
     def pay_instore_book(self, book_id: str) -> dict[str, Any]:
         return self._set_status("books", "booking", book_id, "paid", ("unpaid",))
 
-    @tool("Cancel a seat booking.", {"book_id": {"type": "string"}}, ["book_id"])
+    @tool("Cancels one clearly identified seat booking. Fails if it is already cancelled.",
+          {"book_id": {"type": "string", "description": "Id of the seat booking to cancel."}},
+          ["book_id"])
     def instore_cancel_book(self, book_id: str) -> dict[str, Any]:
         return self._set_status("books", "booking", book_id, "cancelled")
 
-    @tool("Reserve a service time at a shop.",
-          {"user_id": {"type": "string"}, "shop_id": {"type": "string"}, "time": {"type": "string", "description": "yyyy-mm-dd HH:MM:SS"},
-           "customer_count": {"type": "integer"}}, ["user_id", "shop_id", "time"])
+    @tool("Reserves a time slot for a service at a chosen shop that offers reservations (check enable_reservation first). Returns the reservation with its reservation_id, status unconsumed; tell the user to arrive at the shop at that time.",
+          {"user_id": {"type": "string", "description": "The current user's id (e.g. U000001), as given by get_user_historical_behaviors."},
+           "shop_id": {"type": "string", "description": "Id of the shop providing the service."},
+           "time": {"type": "string", "description": "Service time, yyyy-mm-dd HH:MM:SS."},
+           "customer_count": {"type": "integer", "description": "Number of people for the service; positive, defaults to 1."}},
+          ["user_id", "shop_id", "time"])
     def instore_reservation(self, user_id: str, shop_id: str, time: str, customer_count: int = 1) -> dict[str, Any]:
         self._check_user(user_id)
         self._shop(shop_id)
@@ -523,8 +579,10 @@ class InstoreWorld(VitaWorld):
         self.state["reservations"][reservation["reservation_id"]] = reservation
         return reservation
 
-    @tool("Change a reservation's time and number of customers (give both: the count defaults to 0).",
-          {"reservation_id": {"type": "string"}, "time": {"type": "string", "description": "yyyy-mm-dd HH:MM:SS"}, "customer_count": {"type": "integer"}},
+    @tool("Changes the time and party size of one existing reservation (look it up first to get its id). Both are overwritten: always pass customer_count, or it becomes 0. Fails for consumed or cancelled reservations. Returns the updated reservation; remind the user of the new time.",
+          {"reservation_id": {"type": "string", "description": "Id of the reservation to change."},
+           "time": {"type": "string", "description": "New service time, yyyy-mm-dd HH:MM:SS."},
+           "customer_count": {"type": "integer", "description": "New number of people (0 or more); defaults to 0 if omitted, so always give it."}},
           ["reservation_id", "time"])
     def instore_modify_reservation(self, reservation_id: str, time: str, customer_count: int = 0) -> dict[str, Any]:
         reservation = self._entry("reservations", "reservation", reservation_id)
@@ -538,28 +596,41 @@ class InstoreWorld(VitaWorld):
         reservation["update_time"] = self.state["time"]
         return reservation
 
-    @tool("Cancel a reservation.", {"reservation_id": {"type": "string"}}, ["reservation_id"])
+    @tool("Cancels one clearly identified service reservation. Fails if it is already cancelled.",
+          {"reservation_id": {"type": "string", "description": "Id of the reservation to cancel."}},
+          ["reservation_id"])
     def instore_cancel_reservation(self, reservation_id: str) -> dict[str, Any]:
         return self._set_status("reservations", "reservation", reservation_id, "cancelled")
 
-    @tool("All of the user's in-store orders.", {"user_id": {"type": "string"}}, ["user_id"])
+    @tool("Lists all in-store orders (packages bought) of the given user, with full details and status.",
+          {"user_id": {"type": "string", "description": "The current user's id (e.g. U000001), as given by get_user_historical_behaviors."}},
+          ["user_id"])
     def get_instore_orders(self, user_id: str) -> dict[str, Any]:
         return {"orders": [o for o in self._user_entries("orders", user_id, "user_id") if o.get("order_type") == "instore"]}
 
-    @tool("All of the user's reservations.", {"user_id": {"type": "string"}}, ["user_id"])
+    @tool("Lists all service reservations of the given user, with shop, time, party size and status.",
+          {"user_id": {"type": "string", "description": "The current user's id (e.g. U000001), as given by get_user_historical_behaviors."}},
+          ["user_id"])
     def get_instore_reservations(self, user_id: str) -> dict[str, Any]:
         return {"reservations": self._user_entries("reservations", user_id)}
 
-    @tool("All of the user's seat bookings.", {"user_id": {"type": "string"}}, ["user_id"])
+    @tool("Lists all seat bookings of the given user, with shop, time, party size, fee and status.",
+          {"user_id": {"type": "string", "description": "The current user's id (e.g. U000001), as given by get_user_historical_behaviors."}},
+          ["user_id"])
     def get_instore_books(self, user_id: str) -> dict[str, Any]:
         return {"books": self._user_entries("books", user_id)}
 
-    @tool("The user's seat bookings, or one booking when book_id is given.", {"user_id": {"type": "string"}, "book_id": {"type": "string"}}, ["user_id"])
+    @tool("Looks up the user's seat bookings: all of them when book_id is omitted, or only the one with that id. Use it to identify a booking before paying or cancelling it.",
+          {"user_id": {"type": "string", "description": "The current user's id (e.g. U000001), as given by get_user_historical_behaviors."},
+           "book_id": {"type": "string", "description": "Optional id of one seat booking; omit to list all of the user's bookings."}},
+          ["user_id"])
     def search_instore_book(self, user_id: str, book_id: str | None = None) -> dict[str, Any]:
         return {"books": [b for b in self._user_entries("books", user_id) if book_id in (None, b["book_id"])]}
 
-    @tool("The user's reservations, or one reservation when reservation_id is given.",
-          {"user_id": {"type": "string"}, "reservation_id": {"type": "string"}}, ["user_id"])
+    @tool("Looks up the user's service reservations: all of them when reservation_id is omitted, or only the one with that id. Use it to identify a reservation before changing or cancelling it.",
+          {"user_id": {"type": "string", "description": "The current user's id (e.g. U000001), as given by get_user_historical_behaviors."},
+           "reservation_id": {"type": "string", "description": "Optional id of one reservation; omit to list all of the user's reservations."}},
+          ["user_id"])
     def search_instore_reservation(self, user_id: str, reservation_id: str | None = None) -> dict[str, Any]:
         return {"reservations": [r for r in self._user_entries("reservations", user_id) if reservation_id in (None, r["reservation_id"])]}
 
