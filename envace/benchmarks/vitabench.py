@@ -44,6 +44,8 @@ DATA_ENV = "ENVACE_VITABENCH_DIR"
 # targets and distractors (shop_type, product_type, target_reason), which must not leak.
 SHOP_FIELDS = ("shop_id", "shop_name", "score", "location", "tags", "enable_book", "book_price", "enable_reservation")
 PACKAGE_FIELDS = ("product_id", "shop_id", "name", "price", "quantity", "tags")
+# The user_id argument of every tool that takes one.
+USER_ID = {"type": "string", "description": "The current user's id (e.g. U000001), as given by get_user_historical_behaviors."}
 REPO_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "vitabench"
 TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
 GREETING = "Hi! How can I help you today?"
@@ -377,7 +379,7 @@ class DeliveryWorld(VitaWorld):
         return {"products": _rank(self._products(), keywords, lambda p: f"{p.get('store_name', '')}, {p['name']}, {p.get('tags', [])}")}
 
     @tool("Places an unpaid delivery order from exactly one store, for one or more of its products. Settle the store, items, counts, options, address and timing first, and record the user's dietary restrictions in the note. Computes delivery duration and arrival time. Returns the order (with order_id); afterwards ask whether the user wants to pay.",
-          {"user_id": {"type": "string", "description": "The current user's id (e.g. U000001), as given by get_user_historical_behaviors."},
+          {"user_id": USER_ID,
            "store_id": {"type": "string", "description": "Id of the single store being ordered from."},
            "product_ids": {"type": "array", "items": {"type": "string"}, "description": "Ids of the products to order, all from that store."},
            "product_cnts": {"type": "array", "items": {"type": "integer"}, "description": "Quantity for each product, same order and length as product_ids; each must be positive."},
@@ -447,7 +449,7 @@ class DeliveryWorld(VitaWorld):
         return order
 
     @tool("Lists the current user's delivery orders that have a given status (unpaid when no status is given), with id, type, store, total price, creation/update times, status and items.",
-          {"user_id": {"type": "string", "description": "The current user's id (e.g. U000001), as given by get_user_historical_behaviors."},
+          {"user_id": USER_ID,
            "status": {"type": "string", "description": "Order status to filter by, e.g. unpaid, paid, cancelled; defaults to unpaid."}},
           ["user_id"])
     def search_delivery_orders(self, user_id: str, status: str = "unpaid") -> dict[str, Any]:
@@ -496,7 +498,7 @@ class InstoreWorld(VitaWorld):
         return {"products": _rank(products, keywords, lambda p: f"{p['name']},{p['tags']}")}
 
     @tool("Places an unpaid in-store order for one package of one shop (several copies allowed). Settle the shop and package first. Returns the order with its order_id; then ask whether the user wants to pay.",
-          {"user_id": {"type": "string", "description": "The current user's id (e.g. U000001), as given by get_user_historical_behaviors."},
+          {"user_id": USER_ID,
            "shop_id": {"type": "string", "description": "Id of the shop, e.g. S17564420237542211_I00001."},
            "product_id": {"type": "string", "description": "Id of a package sold by that shop, e.g. S17564420237542211_P00001."},
            "quantity": {"type": "integer", "description": "How many of the package to buy; positive, defaults to 1."}},
@@ -531,7 +533,7 @@ class InstoreWorld(VitaWorld):
         return self._set_status("orders", "order", order_id, "cancelled")
 
     @tool("Reserves physical seats or a table at a chosen shop that accepts seat bookings (enable_book). Returns the booking with its book_id. If the shop charges a booking fee the booking starts unpaid and you should ask the user about paying; with no fee it is paid at once.",
-          {"user_id": {"type": "string", "description": "The current user's id (e.g. U000001), as given by get_user_historical_behaviors."},
+          {"user_id": USER_ID,
            "shop_id": {"type": "string", "description": "Id of the shop to book at."},
            "time": {"type": "string", "description": "Arrival time for the booking, yyyy-mm-dd HH:MM:SS."},
            "customer_count": {"type": "integer", "description": "Number of people to seat; positive, defaults to 1."}},
@@ -563,7 +565,7 @@ class InstoreWorld(VitaWorld):
         return self._set_status("books", "booking", book_id, "cancelled")
 
     @tool("Reserves a time slot for a service at a chosen shop that offers reservations (check enable_reservation first). Returns the reservation with its reservation_id, status unconsumed; tell the user to arrive at the shop at that time.",
-          {"user_id": {"type": "string", "description": "The current user's id (e.g. U000001), as given by get_user_historical_behaviors."},
+          {"user_id": USER_ID,
            "shop_id": {"type": "string", "description": "Id of the shop providing the service."},
            "time": {"type": "string", "description": "Service time, yyyy-mm-dd HH:MM:SS."},
            "customer_count": {"type": "integer", "description": "Number of people for the service; positive, defaults to 1."}},
@@ -603,32 +605,32 @@ class InstoreWorld(VitaWorld):
         return self._set_status("reservations", "reservation", reservation_id, "cancelled")
 
     @tool("Lists all in-store orders (packages bought) of the given user, with full details and status.",
-          {"user_id": {"type": "string", "description": "The current user's id (e.g. U000001), as given by get_user_historical_behaviors."}},
+          {"user_id": USER_ID},
           ["user_id"])
     def get_instore_orders(self, user_id: str) -> dict[str, Any]:
         return {"orders": [o for o in self._user_entries("orders", user_id, "user_id") if o.get("order_type") == "instore"]}
 
     @tool("Lists all service reservations of the given user, with shop, time, party size and status.",
-          {"user_id": {"type": "string", "description": "The current user's id (e.g. U000001), as given by get_user_historical_behaviors."}},
+          {"user_id": USER_ID},
           ["user_id"])
     def get_instore_reservations(self, user_id: str) -> dict[str, Any]:
         return {"reservations": self._user_entries("reservations", user_id)}
 
     @tool("Lists all seat bookings of the given user, with shop, time, party size, fee and status.",
-          {"user_id": {"type": "string", "description": "The current user's id (e.g. U000001), as given by get_user_historical_behaviors."}},
+          {"user_id": USER_ID},
           ["user_id"])
     def get_instore_books(self, user_id: str) -> dict[str, Any]:
         return {"books": self._user_entries("books", user_id)}
 
     @tool("Looks up the user's seat bookings: all of them when book_id is omitted, or only the one with that id. Use it to identify a booking before paying or cancelling it.",
-          {"user_id": {"type": "string", "description": "The current user's id (e.g. U000001), as given by get_user_historical_behaviors."},
+          {"user_id": USER_ID,
            "book_id": {"type": "string", "description": "Optional id of one seat booking; omit to list all of the user's bookings."}},
           ["user_id"])
     def search_instore_book(self, user_id: str, book_id: str | None = None) -> dict[str, Any]:
         return {"books": [b for b in self._user_entries("books", user_id) if book_id in (None, b["book_id"])]}
 
     @tool("Looks up the user's service reservations: all of them when reservation_id is omitted, or only the one with that id. Use it to identify a reservation before changing or cancelling it.",
-          {"user_id": {"type": "string", "description": "The current user's id (e.g. U000001), as given by get_user_historical_behaviors."},
+          {"user_id": USER_ID,
            "reservation_id": {"type": "string", "description": "Optional id of one reservation; omit to list all of the user's reservations."}},
           ["user_id"])
     def search_instore_reservation(self, user_id: str, reservation_id: str | None = None) -> dict[str, Any]:
