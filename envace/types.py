@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 
 class Role(enum.IntEnum):
@@ -39,15 +39,63 @@ class EndReason(str, enum.Enum):
     USER_ENDED = "user_ended"  # the simulated user ended the conversation before its first message
 
 
+class CallStatus(str, enum.Enum):
+    """What became of one of ACT's calls. Only committed calls (`COMMITTED`) happened in the
+    world the agent acted in, so only they are replayed for a reward or compared for fidelity."""
+
+    PENDING = "pending"  # waiting for its answer (only while rolling out)
+    EXECUTED = "executed"  # the real world ran it
+    REHEARSED = "rehearsed"  # the policy wrote its response (REHEARSE)
+    SIMULATED = "simulated"  # a frozen external simulator wrote its response
+    MALFORMED = "malformed"  # its rehearsed/simulated response did not parse: ACT saw an error
+    REVISED = "revised"  # the pre-commit guard declined it; ACT saw the reason instead
+    STOPPED = "stopped"  # the pre-commit guard ended the episode at it
+    UNANSWERED = "unanswered"  # the episode ended before it was answered
+    RECORDED = "recorded"  # scored as written, never answered (stop tools, single-response tasks)
+
+
+COMMITTED = frozenset({CallStatus.EXECUTED, CallStatus.REHEARSED, CallStatus.SIMULATED})
+
+
 @dataclass
 class ToolCall:
     name: str
     arguments: dict[str, Any]
     id: str = ""
     user_turn: int = 0  # index of the user turn during which ACT made this call
+    status: CallStatus = CallStatus.PENDING
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "arguments": self.arguments}
+
+
+@dataclass
+class AddedTools:
+    user_turn: int  # from this user turn on (0 = the first)
+    tools: list[dict[str, Any]]  # OpenAI function schemas
+
+
+@dataclass
+class EpisodeRules:
+    """How the rollout engine runs one task, beyond the command's `RolloutConfig` (set by
+    benchmark adapters, or by a task file's `rules`; docs/benchmarks.md)."""
+
+    # Later user turns come from a user simulator, not `Task.user_turns`.
+    simulated_user: bool = False
+    user_uses_world: bool = False  # the simulated user acts on the rollout's world (tau2 telecom)
+    added_tools: list[AddedTools] = field(default_factory=list)  # tools that appear at a later user turn
+    max_steps_per_turn: int | None = None  # ACT turns per user turn (instead of `max_turns` per trajectory)
+    stop_after_first_act: bool = False  # the first ACT output ends the rollout; its calls are recorded
+    stop_tools: list[str] = field(default_factory=list)  # calling one ends the rollout, recorded, unexecuted
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EpisodeRules:
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown episode rule(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        added = [a if isinstance(a, AddedTools) else AddedTools(int(a["user_turn"]), list(a["tools"])) for a in data.get("added_tools", [])]
+        return cls(**{**data, "added_tools": added})
 
 
 @dataclass
@@ -72,6 +120,8 @@ class Task:
     split: str = "train"
     difficulty: int = 1
     hidden_state: bool = False  # True when the initial state is not inferable from the prompt/docs
+    rules: EpisodeRules = field(default_factory=EpisodeRules)
+    # Free-form data for the task's own world or benchmark scorer; envace's stages never read it.
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
@@ -90,9 +140,10 @@ class Turn:
 class Trajectory:
     """A finished rollout: one token sequence with a role tag per token.
 
-    `tool_calls`/`observations` are what ACT called and what it saw (real, rehearsed or
-    simulated, depending on `mode`). `penalties` counts malformed/empty outputs per role (each
-    such output is also flagged `Turn.malformed`).
+    `tool_calls` are every call ACT wrote, each with its `CallStatus`; `observations[i]` is what
+    ACT was shown for `tool_calls[i]` (real, rehearsed or simulated, depending on `mode`; a guard's
+    reason for a revised call), for the calls that were answered. `penalties` counts
+    malformed/empty outputs per role (each such output is also flagged `Turn.malformed`).
     """
 
     task_id: str
@@ -105,12 +156,28 @@ class Trajectory:
     end_reason: EndReason | None = None
     penalties: dict[str, int] = field(default_factory=dict)
     real_env_calls: int = 0  # calls executed in a real world while rolling out
+    end_error: dict[str, Any] | None = None  # the parse error of the output that ended it, if one did
+    user_source: Literal["replayed", "simulator", "imagined"] = "replayed"  # who wrote the later user turns
     reward: float | None = None
-    reward_details: dict[str, Any] = field(default_factory=dict)
+    reward_details: dict[str, Any] = field(default_factory=dict)  # the reward's own report, for reading only
+    # The real world's responses to `committed_calls`, when a reward replayed them: the reference
+    # for rehearsal fidelity.
+    real_observations: list[dict[str, Any]] | None = None
+    # What a real-mode rollout's world held that the benchmark's scorer needs (`rollout_record`).
+    benchmark_record: dict[str, Any] | None = None
     group: int = 0  # index of the rollout within its task group (0..K-1)
     events: list[dict[str, Any]] = field(default_factory=list)  # e.g. pre-commit guard decisions
     side_rows: list[Trajectory] = field(default_factory=list)  # isolated-simulator REHEARSE rows
     seconds: float = 0.0
+
+    @property
+    def committed_calls(self) -> list[ToolCall]:
+        """The calls that happened in the world the agent acted in (real, rehearsed or simulated)."""
+        return [c for c in self.tool_calls if c.status in COMMITTED]
+
+    def committed_exchanges(self) -> list[tuple[ToolCall, dict[str, Any]]]:
+        """(call, the observation ACT saw) for every committed call."""
+        return [(c, o) for c, o in zip(self.tool_calls, self.observations) if c.status in COMMITTED]
 
     @property
     def token_ids(self) -> list[int]:
