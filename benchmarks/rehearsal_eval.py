@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from envace.evaluation.metrics import wilson_interval
+from envace.metrics import wilson_interval
 from envace.rehearsal import RehearsalConfig, RehearsalGuard, RehearsalPrompts, run_with_rehearsal
 from envace.rewards import Context, compute_rewards
 from envace.rollout import RolloutConfig

@@ -25,14 +25,16 @@ from envace.config import build
 from envace.evaluation.runner import EvalConfig, run_eval
 from envace.training.sft import SFTConfig, run_sft
 from envace.training.trainer import TrainConfig, run_train
+from envace.training.variants import VARIANTS
 
-VARIANTS = {
-    "envace": {},
-    "act-only": {},
-    "real-grpo": {},
-    "simulator": {},
-    "no-share": {"rehearse_layout": "isolated"},
-}
+# The table's row order (the registry sorts by name).
+ROWS = ("envace", "act-only", "real-grpo", "simulator", "no-share")
+
+
+def variant_options(name: str) -> dict[str, str]:
+    """What a variant needs beyond the preset: the layout it requires, if any."""
+    layout = VARIANTS.get(name).requires_layout
+    return {"rehearse_layout": layout} if layout else {}
 
 
 def evaluate(model: str, out: Path, args: argparse.Namespace) -> dict[str, dict]:
@@ -46,7 +48,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/cpu-experiment.yaml")
     p.add_argument("--out", default="runs/experiment")
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", default=list(ROWS), choices=VARIANTS.names())
     p.add_argument("--sft-per-world", type=int, default=8)
     p.add_argument("--eval-per-world", type=int, default=2)
     p.add_argument("--steps", type=int, default=None, help="override the preset's steps")
@@ -74,8 +76,8 @@ def main() -> None:
             continue  # finished in an earlier invocation
         run = out / variant
         start = time.perf_counter()
-        train = run_train(build(TrainConfig, preset | VARIANTS[variant] | dict(variant=variant, init_from=warm,
-                                                                               output_dir=str(run), resume=run.exists(), progress=False)))
+        train = run_train(build(TrainConfig, preset | variant_options(variant) | dict(variant=variant, init_from=warm,
+                                                                                     output_dir=str(run), resume=run.exists(), progress=False)))
         seconds = time.perf_counter() - start
         results[variant] = {"seconds": seconds, "real_env_calls": train["real_env_calls"], "eval": evaluate(train["final_model"], run, args),
                             "last_metrics": {k: v for k, v in train["last_metrics"].items() if k.startswith(("reward", "success", "fidelity", "env/"))}}

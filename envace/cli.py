@@ -26,16 +26,15 @@ def _load(spec: str) -> Any:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    """Errors that mean bad input: reported as one clear line, not a traceback."""
+    """Errors that mean bad input: reported as one clear line, not a traceback. Imported here,
+    when an error is being matched, so start-up stays light; a renamed class fails loudly."""
+    from envace.backends.models import ModelNotFoundError
+    from envace.backends.openai_http import BackendUnreachableError
+    from envace.envs.tasks import TaskFormatError
     from envace.registry import RegistryError
+    from envace.transcript import TemplateError
 
-    errors: list[type[BaseException]] = [cfgmod.ConfigError, RegistryError, FileNotFoundError]
-    for spec in ("envace.backends.models:ModelNotFoundError", "envace.backends.openai_http:BackendUnreachableError", "envace.envs.tasks:TaskFormatError", "envace.transcript:TemplateError"):
-        try:
-            errors.append(_load(spec))
-        except (ImportError, AttributeError):
-            pass
-    return tuple(errors)
+    return (cfgmod.ConfigError, RegistryError, FileNotFoundError, ModelNotFoundError, BackendUnreachableError, TaskFormatError, TemplateError)
 
 
 def build_parser(command: str | None) -> argparse.ArgumentParser:

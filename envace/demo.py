@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from envace.config import ConfigError, field
+from envace.config import ConfigError, build, field
 from envace.evaluation.report import markdown_table, pooled_success
 
 
@@ -41,20 +41,24 @@ class DemoConfig:
     progress: bool = field(True, help="progress bars")
 
     def validate(self) -> None:
-        for name in ("eval_per_world", "sft_per_world", "sft_epochs", "sft_rows_per_step", "rl_steps", "rl_tasks_per_step"):
+        for name in ("eval_per_world", "max_turn_tokens", "sft_per_world", "sft_epochs", "sft_rows_per_step", "rl_steps", "rl_tasks_per_step"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1")
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.rl_k < 2:
-            raise ConfigError("rl_k must be >= 2")
+            raise ConfigError(f"rl_k must be >= 2 for a group baseline, got {self.rl_k}")
+        for name in ("sft_lr", "rl_lr"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.difficulty not in (1, 2, 3):
+            raise ConfigError(f"difficulty must be 1, 2 or 3, got {self.difficulty}")
 
 
 def _evaluate(model: str, cfg: DemoConfig, split: str, mode: str, out: Path) -> dict[str, Any]:
     from envace.evaluation.runner import EvalConfig, run_eval
 
-    ecfg = EvalConfig(model=model, split=split, n_per_world=cfg.eval_per_world, difficulty=cfg.difficulty, mode=mode, max_turns=6,
-                      max_turn_tokens=cfg.max_turn_tokens, max_rehearse_tokens=128, temperature=0.0, seed=cfg.seed, output_dir=str(out), progress=cfg.progress)
-    ecfg.validate()
-    return run_eval(ecfg)
+    return run_eval(build(EvalConfig, dict(model=model, split=split, n_per_world=cfg.eval_per_world, difficulty=cfg.difficulty, seed=cfg.seed,
+                                           output_dir=str(out), progress=cfg.progress, rollout=dict(mode=mode, max_turns=6, max_turn_tokens=cfg.max_turn_tokens,
+                                                                                                  max_rehearse_tokens=128, temperature=0.0))))
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
@@ -74,9 +78,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         return result
 
     common = dict(tiny=cfg.tiny, seed=cfg.seed, progress=cfg.progress)
-    sft = SFTConfig(model=cfg.model, n_per_world=cfg.sft_per_world, epochs=cfg.sft_epochs, lr=cfg.sft_lr, rows_per_step=cfg.sft_rows_per_step, difficulty=cfg.difficulty,
-                    output_dir=str(root / "sft"), **common)
-    sft.validate()
+    sft = build(SFTConfig, dict(model=cfg.model, n_per_world=cfg.sft_per_world, epochs=cfg.sft_epochs, lr=cfg.sft_lr, rows_per_step=cfg.sft_rows_per_step,
+                                difficulty=cfg.difficulty, output_dir=str(root / "sft"), **common))
     def evaluate(name: str, model: str, mode: str = "real") -> dict[str, Any]:
         # The test split holds the training worlds' test tasks and the held-out world's tasks.
         return stage(f"evaluate {name}", lambda: _evaluate(model, cfg, "test", mode, root / f"eval-{name}"))
@@ -85,17 +88,16 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     warm = stage("warm start (SFT on real-world trajectories)", lambda: run_sft(sft))["final_model"]
     if cfg.eval_sft:
         stages["SFT"] = evaluate("sft", warm)
-    train = TrainConfig(model=cfg.model, init_from=warm, variant="envace", steps=cfg.rl_steps, tasks_per_step=cfg.rl_tasks_per_step, k=cfg.rl_k,
-                        lr=cfg.rl_lr, difficulty=cfg.difficulty, max_turn_tokens=cfg.max_turn_tokens, max_rehearse_tokens=128, output_dir=str(root / "train"),
-                        save_every=cfg.rl_steps, **common)
-    train.validate()
+    train = build(TrainConfig, dict(model=cfg.model, init_from=warm, variant="envace", steps=cfg.rl_steps, tasks_per_step=cfg.rl_tasks_per_step, k=cfg.rl_k,
+                                    lr=cfg.rl_lr, difficulty=cfg.difficulty, output_dir=str(root / "train"), save_every=cfg.rl_steps,
+                                    rollout=dict(max_turn_tokens=cfg.max_turn_tokens, max_rehearse_tokens=128), **common))
     train_result = stage("train with world rehearsal (role-level GRPO)", lambda: run_train(train))
     trained = train_result["final_model"]
     stages["SFT + rehearsal GRPO"] = evaluate("trained", trained)
     stages["SFT + rehearsal GRPO, rehearse mode"] = evaluate("trained-rehearse", trained, "rehearse")
     summary = {
         "stages": stages,
-        "train": {k: train_result[k] for k in ("run_dir", "real_env_calls", "plots")},
+        "train": {k: train_result[k] for k in ("run_dir", "real_env_calls", "verification_calls", "plots")},
         "timings_s": timings, "total_s": time.perf_counter() - start, "config": cfg.__dict__,
     }
     write_report(summary, root)
@@ -119,8 +121,9 @@ def report_markdown(summary: dict[str, Any], root: Path) -> str:
         o = s["overall"]
         fid = f"{o['fidelity/exact']:.2f} / {o['fidelity/field_f1']:.2f}" if "fidelity/exact" in o else "-"
         lines.append(f"| {name} | {pooled_success(s, set(TRAIN_WORLDS))} | {pooled_success(s, set(HELDOUT_WORLDS))} | {o.get('tool_f1', 0):.2f} | {fid} | {o['real_env_calls']} | {o['malformed']} |")
-    lines += ["", f"Real-environment calls during rehearsal training: **{summary['train']['real_env_calls']}** "
-              "(the replay reward executes ACT's calls for verification only; the policy never sees those results).", "",
+    lines += ["", f"Real-environment executions during rehearsal training: **{summary['train']['real_env_calls']}** while rolling out, "
+              f"**{summary['train']['verification_calls']}** to verify (the replay reward re-runs ACT's committed calls on a fresh world "
+              "to score them; the policy never sees those results).", "",
               "## Per world after training (real world)", "", markdown_table(summary["stages"]["SFT + rehearsal GRPO"]), "",
               "## Stage timings", "", "| stage | seconds |", "|---|---|"]
     lines += [f"| {k} | {v:.0f} |" for k, v in summary["timings_s"].items()]

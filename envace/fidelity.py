@@ -31,11 +31,18 @@ def exact_match(rehearsed: dict[str, Any], real: dict[str, Any]) -> bool:
     return json.dumps(rehearsed, sort_keys=True) == json.dumps(real, sort_keys=True)
 
 
-def trajectory_fidelity(traj: Trajectory, real_observations: list[dict[str, Any]]) -> list[dict[str, float]]:
-    """Per-call fidelity of a rehearse-mode trajectory against the real observations of the
-    same calls (e.g. from the replay reward). Calls without a rehearsed answer are skipped."""
-    pairs = zip(traj.observations, real_observations)
-    return [{"exact": float(exact_match(r, t)), "field_f1": field_f1(r, t)} for r, t in pairs]
+def trajectory_fidelity(traj: Trajectory) -> list[dict[str, float]]:
+    """Per-call fidelity of a rehearse- or simulator-mode trajectory: each committed call's
+    rehearsed observation against the real world's response to it (`traj.real_observations`,
+    one per committed call; None: nothing to compare). Calls that were not committed (revised,
+    unanswered, malformed) had no rehearsed answer the agent acted on, so they are not compared."""
+    real = traj.real_observations
+    if real is None:
+        return []
+    rehearsed = [obs for _, obs in traj.committed_exchanges()]
+    if len(rehearsed) != len(real):
+        raise ValueError(f"trajectory {traj.task_id}: {len(real)} real observations for {len(rehearsed)} committed calls")
+    return [{"exact": float(exact_match(r, t)), "field_f1": field_f1(r, t)} for r, t in zip(rehearsed, real)]
 
 
 def summarize(per_call: list[dict[str, float]]) -> dict[str, float]:

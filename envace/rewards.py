@@ -1,12 +1,13 @@
-"""Rewards, pluggable by name. Each returns a value in [0, 1] plus details.
+"""Rewards, pluggable by name. Each returns a `RewardResult`: a value in [0, 1] plus details.
 
-  replay     run ACT's calls on a fresh executable world (verification only: the policy never
-             sees these observations) and apply the task's verifier
+  replay     run ACT's committed calls on a fresh executable world (verification only: the policy
+             never sees these observations) and apply the task's verifier
   reference  tool-call match against the task's reference calls (name and full-call F1)
   judge      a weighted checklist scored by an LLM judge through any Generator backend
 
-A user's own reward is any `fn(task, trajectory, context) -> (value, details)`, named as
-`mypkg.rewards:my_reward`.
+A user's own reward is any `fn(task, trajectory, context)` returning a `RewardResult` or a
+`(value, details)` pair, named as `mypkg.rewards:my_reward`. Details are for reading
+(`Trajectory.reward_details`): what other stages need travels in typed fields.
 """
 
 from __future__ import annotations
@@ -55,7 +56,17 @@ class Context:
         return out.text
 
 
-RewardFn = Callable[[Task, Trajectory, Context], "tuple[float, dict[str, Any]]"]
+@dataclass
+class RewardResult:
+    """A reward's score. `real_observations`: the real world's responses to the trajectory's
+    committed calls, when the reward replayed them (they become `Trajectory.real_observations`)."""
+
+    value: float
+    details: dict[str, Any] = field(default_factory=dict)  # for reading only
+    real_observations: list[dict[str, Any]] | None = None
+
+
+RewardFn = Callable[[Task, Trajectory, Context], "RewardResult | tuple[float, dict[str, Any]]"]
 REWARDS: Registry[RewardFn] = Registry("reward")
 
 
@@ -65,13 +76,13 @@ def replay_calls(world: ToolWorld, calls: list[ToolCall]) -> list[dict[str, Any]
 
 
 @REWARDS.register("replay")
-def replay_reward(task: Task, traj: Trajectory, ctx: Context) -> tuple[float, dict[str, Any]]:
+def replay_reward(task: Task, traj: Trajectory, ctx: Context) -> RewardResult:
+    # Only committed calls happened: a call the guard revised or the episode's end left
+    # unanswered must not change the world the verifier checks.
     world = ctx.make_world(task)
-    observations = replay_calls(world, traj.tool_calls)
+    observations = replay_calls(world, traj.committed_calls)
     value, details = world.verify(task, traj.final_answer)
-    details["verification_calls"] = len(observations)
-    details["real_observations"] = observations
-    return value, details
+    return RewardResult(value, details, observations)
 
 
 def prf(tp: int, n_pred: int, n_ref: int) -> tuple[float, float, float]:
@@ -95,14 +106,14 @@ def multiset_f1(predicted: list[str], reference: list[str]) -> tuple[float, floa
 
 
 @REWARDS.register("reference")
-def reference_reward(task: Task, traj: Trajectory, ctx: Context) -> tuple[float, dict[str, Any]]:
+def reference_reward(task: Task, traj: Trajectory, ctx: Context) -> RewardResult:
     if not task.reference_calls:
         raise ValueError(f"task {task.id} has no reference_calls; the 'reference' reward needs them")
     ref = task.reference_calls
     name_p, name_r, name_f1 = multiset_f1([c.name for c in traj.tool_calls], [c["name"] for c in ref])
     call_p, call_r, call_f1 = multiset_f1([_canonical(c) for c in traj.tool_calls], [_canonical(c) for c in ref])
     details = {"name_precision": name_p, "name_recall": name_r, "name_f1": name_f1, "call_precision": call_p, "call_recall": call_r, "call_f1": call_f1}
-    return call_f1, details
+    return RewardResult(call_f1, details)
 
 
 JUDGE_PROMPT = """You grade an AI agent's work against a checklist.
@@ -149,19 +160,42 @@ def score_checklist(checklist: list[dict[str, Any]], verdicts: list[bool]) -> fl
 
 
 @REWARDS.register("judge")
-def judge_reward(task: Task, traj: Trajectory, ctx: Context) -> tuple[float, dict[str, Any]]:
+def judge_reward(task: Task, traj: Trajectory, ctx: Context) -> RewardResult:
     if ctx.judge is None:
         raise ValueError("the 'judge' reward needs a judge model (--judge MODEL or URL)")
     if not task.checklist:
         raise ValueError(f"task {task.id} has no checklist; the 'judge' reward needs one")
     text = ctx.judge_reply(judge_prompt(task, traj), max_new_tokens=16 * len(task.checklist) + 32)
     verdicts = parse_verdicts(text, len(task.checklist))
-    return score_checklist(task.checklist, verdicts), {"verdicts": verdicts, "judge_output": text}
+    return RewardResult(score_checklist(task.checklist, verdicts), {"verdicts": verdicts, "judge_output": text})
+
+
+def as_result(returned: RewardResult | tuple[float, dict[str, Any]]) -> RewardResult:
+    """A reward's return value as a `RewardResult` (users' rewards may return `(value, details)`)."""
+    if isinstance(returned, RewardResult):
+        return returned
+    value, details = returned
+    return RewardResult(value, dict(details))
+
+
+def score_trajectory(fn: RewardFn, task: Task, traj: Trajectory, ctx: Context) -> None:
+    """Set `reward`, `reward_details` and `real_observations` of one trajectory.
+
+    Off real mode, when the reward did not replay the committed calls, they are replayed here on
+    a fresh executable world so that rehearsal fidelity has its reference whatever the reward;
+    records count those executions as `verification_calls`, as they count the replay reward's."""
+    result = as_result(fn(task, traj, ctx))
+    traj.reward, traj.reward_details = result.value, result.details
+    traj.real_observations = result.real_observations
+    if traj.real_observations is None and traj.mode != "real":
+        world = ctx.make_world(task)
+        if world.executable:
+            traj.real_observations = replay_calls(world, traj.committed_calls)
 
 
 def compute_rewards(reward_name: str, groups: list[list[Trajectory]], tasks: list[Task], ctx: Context) -> None:
-    """Fill `reward` and `reward_details` of every trajectory in place."""
+    """Score every trajectory in place (`score_trajectory`)."""
     fn = REWARDS.get(reward_name)
     for task, group in zip(tasks, groups):
         for traj in group:
-            traj.reward, traj.reward_details = fn(task, traj, ctx)
+            score_trajectory(fn, task, traj, ctx)

@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from envace.algorithms import ADVANTAGES, TRAINED_ROLES, Row, build_rows, collate, group_metrics, ppo_loss, ppo_token_loss, sequence_logprobs
+from envace.algorithms import ADVANTAGES, Row, build_rows, collate, group_metrics, ppo_loss, ppo_token_loss, sequence_logprobs
+from envace.training.variants import VARIANTS
 from envace.types import Role, Trajectory, Turn
 
 P, A, R, E, U = Role.PROMPT, Role.ACT, Role.REHEARSE, Role.ENV, Role.USER
@@ -112,7 +113,7 @@ def test_equal_rewards_give_zero_advantage_and_zero_gradient():
     assert group_metrics([adv])["groups/degenerate_frac"] == 1.0
 
     model = tiny_model()
-    batch = collate(build_rows(group, adv.trajectories, TRAINED_ROLES["envace"]["policy"]), pad_id=0)
+    batch = collate(build_rows(group, adv.trajectories, VARIANTS.get("envace").trained_roles["policy"]), pad_id=0)
     logprobs, _ = sequence_logprobs(model, batch)
     loss, _ = ppo_loss(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask)
     loss.backward()
@@ -182,9 +183,10 @@ def test_ppo_loss_token_mean_over_mixed_roles():
     assert metrics["tokens"] == 4 and metrics["tokens/act"] == 3 and metrics["tokens/rehearse"] == 1
     assert metrics["adv/act"] == 1.0 and metrics["adv/rehearse"] == -3.0 and metrics["adv"] == 0.0
     assert metrics["entropy/act"] == 2.0 and metrics["approx_kl"] == 0.0 and metrics["clip_frac/rehearse"] == 0.0
-    # micro-batches of one step: divide by the step's token count instead of this batch's
-    half, _ = ppo_loss(lp, lp, adv * 2, mask, num_tokens=8)
-    assert half.item() == pytest.approx(0.0)
+    # micro-batches of one step: divide by the step's token count instead of this batch's. The
+    # three ACT tokens sum to -3: over the step's 8 tokens -3/8 (this batch's 3 would give -1).
+    act_share, _ = ppo_loss(lp, lp, adv, mask * (roles == A), num_tokens=8)
+    assert act_share.item() == pytest.approx(-0.375)
     only_act, metrics = ppo_loss(lp, lp, adv, mask * (roles == A), roles=roles)
     assert only_act.item() == pytest.approx(-1.0)
     assert metrics["tokens/rehearse"] == 0 and "adv/rehearse" not in metrics
@@ -223,8 +225,8 @@ EXPECTED_MASKS = {
 def test_variant_masks(variant):
     group = [traj(ALL_ROLES, 1.0), traj([(P, [1, 2]), (A, [9]), (R, [9])], 0.0, group=1)]
     (adv,) = ADVANTAGES.get("role_grpo")([group])
-    assert TRAINED_ROLES[variant].keys() == EXPECTED_MASKS[variant].keys()
-    for model, roles in TRAINED_ROLES[variant].items():
+    assert VARIANTS.get(variant).trained_roles.keys() == EXPECTED_MASKS[variant].keys()
+    for model, roles in VARIANTS.get(variant).trained_roles.items():
         row = build_rows(group[:1], adv.trajectories[:1], roles)[0]
         assert row.loss_mask == EXPECTED_MASKS[variant][model]
         assert row.roles == [int(r) for r, ids in ALL_ROLES for _ in ids]
@@ -255,7 +257,7 @@ def layouts():
 
 
 def test_layouts_give_identical_per_token_loss():
-    roles = TRAINED_ROLES["envace"]["policy"]
+    roles = VARIANTS.get("envace").trained_roles["policy"]
     model = tiny_model()
     per_layout = {}
     for layout, group in layouts().items():

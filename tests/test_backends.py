@@ -113,7 +113,8 @@ def test_sessions_starting_from_one_prompt_encode_it_once(model, tokenizer, prom
     prompt, other = prompts[2], prompts[0]
     greedy = SamplingParams(max_new_tokens=6, temperature=0)
     alone = HFGenerator(model, tokenizer)
-    [expected] = alone.generate(alone.open(1), [prompt], greedy)
+    [alone_session] = alone.open(1)
+    [expected] = alone.generate([alone_session], [prompt], greedy)
     [expected_other] = alone.generate(alone.open(1), [other], greedy)
 
     gen = HFGenerator(model, tokenizer)
@@ -126,7 +127,7 @@ def test_sessions_starting_from_one_prompt_encode_it_once(model, tokenizer, prom
     # Later turns continue each session from its own cache.
     follow = [tokenizer.encode(" and")] * 4
     again = gen.generate(ids, follow, greedy)
-    ref = alone.generate([0], [follow[0]], greedy)[0]
+    ref = alone.generate([alone_session], [follow[0]], greedy)[0]
     assert again[0].token_ids == again[1].token_ids == ref.token_ids
 
     sampled = HFGenerator(model, tokenizer, seed=3)
@@ -180,6 +181,22 @@ def test_stop_token_string_and_length(model, tokenizer, prompts):
 
     c = first(SamplingParams(max_new_tokens=3, temperature=0))
     assert c.finish_reason == "length" and c.token_ids == reference.token_ids[:3]
+
+
+def test_each_session_of_a_batch_stops_at_its_own_limit(model, tokenizer, prompts, server_url):
+    """Per-session SamplingParams: in one batched call each row stops at its own max_new_tokens and
+    its tokens equal what it generates alone (the rollout engine gives each episode its budget)."""
+    limits = [3, 9, 5]
+    for make in (lambda: HFGenerator(model, tokenizer), lambda: make_generator(server_url, tokenizer=tokenizer)):
+        gen = make()
+        outs = gen.generate(gen.open(3), [prompts[i % len(prompts)] for i in range(3)], [SamplingParams(max_new_tokens=n, temperature=0) for n in limits])
+        alone = [make() for _ in limits]
+        singles = [g.generate(g.open(1), [prompts[i % len(prompts)]], SamplingParams(max_new_tokens=n, temperature=0))[0] for i, (g, n) in enumerate(zip(alone, limits))]
+        assert [len(c.token_ids) for c in outs] == limits and all(c.finish_reason == "length" for c in outs)
+        assert [c.token_ids for c in outs] == [c.token_ids for c in singles]
+    gen = HFGenerator(model, tokenizer)
+    with pytest.raises(ValueError, match="share temperature and top_p"):
+        gen.generate(gen.open(2), prompts[:2], [SamplingParams(temperature=0), SamplingParams(temperature=1.0)])
 
 
 def test_sampling_seeded_and_top_p(model, tokenizer, prompts):

@@ -46,10 +46,10 @@ def test_ground_truth_replay_passes_and_a_dropped_call_fails(bench, multi_turn, 
 def test_multi_turn_task_layout(multi_turn):
     task = multi_turn["multi_turn_miss_func"][0]
     assert task.messages[0]["role"] == "user" and len(task.user_turns) == len(task.metadata["ground_truth"]) - 1
-    (added,) = task.metadata["added_tools"]
-    turn = added["user_turn"]
+    (added,) = task.rules.added_tools
+    turn = added.user_turn
     assert task.user_turns[turn - 1]["content"].startswith("I have updated some more functions")
-    held_out = {t["function"]["name"] for t in added["tools"]}
+    held_out = {t["function"]["name"] for t in added.tools}
     assert held_out and not held_out & {t["function"]["name"] for t in task.tools}
     assert all(r["user_turn"] < len(task.metadata["ground_truth"]) for r in task.reference_calls)
 

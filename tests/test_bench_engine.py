@@ -4,6 +4,7 @@ the `benchmark` reward scores them with the benchmark's own scorer."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -71,11 +72,11 @@ def test_bfcl_ground_truth_through_the_engine_passes_and_a_dropped_call_fails(to
 
 def test_bfcl_held_out_functions_are_announced_at_their_turn(tokenizer, bfcl):
     task = bfcl.load_tasks(categories=["multi_turn_miss_func"], limit=1)[0]
-    (added,) = task.metadata["added_tools"]
+    (added,) = task.rules.added_tools
     traj = run_scored(bfcl, task, reference_policy(tokenizer, task.reference_calls))
     users = [m["content"] for m in traj.messages if m["role"] == "user"]
-    name = added["tools"][0]["function"]["name"]
-    assert f"{name}(" in users[added["user_turn"]] and not any(f"{name}(" in u for u in users[: added["user_turn"]])
+    name = added.tools[0]["function"]["name"]
+    assert f"{name}(" in users[added.user_turn] and not any(f"{name}(" in u for u in users[: added.user_turn])
 
 
 def test_bfcl_single_turn_scores_the_first_response_without_running_it(tokenizer, bfcl):
@@ -118,11 +119,37 @@ def test_tau2_reference_actions_through_the_engine_score_one_and_a_dropped_one_l
     for task in tasks:
         traj = run_scored(tau2, task, tau2_policy(tokenizer, task, task.reference_calls))
         assert traj.end_reason == EndReason.ANSWERED and traj.reward == 1.0, (task.id, traj.reward_details)
-        assert traj.reward_details["benchmark"]["tool_log"]  # the world's record reached the scorer
+        assert traj.benchmark_record["tool_log"]  # the world's record reached the scorer
         if not task.metadata["solo"]:
             assert [m["role"] for m in traj.messages[:3]] == ["system", "assistant", "user"]  # greeting, then the user
         perturbed = run_scored(tau2, task, tau2_policy(tokenizer, task, task.reference_calls[:-1]))
         assert perturbed.reward < 1.0, task.id
+
+
+class UnreachableUser:
+    """A UserSimulator that must not be called."""
+
+    def start(self, task, world=None):
+        raise AssertionError("the real user simulator was called in a rehearsal")
+
+    respond = start
+
+
+def test_tau2_telecom_rehearses_with_an_imagined_user(tokenizer, tau2):
+    """Telecom's user acts on a phone that only the real world has: in rehearse mode the rehearsing
+    model imagines the user instead, so the run neither raises nor calls the benchmark's simulator."""
+    bench = BENCHMARKS.get("tau2")(user_simulator=UnreachableUser())
+    task = bench.load_tasks("base", limit=1, categories=["telecom"])[0]
+    assert task.rules.user_uses_world
+
+    def reply(text: str) -> str:
+        if "You play the user" in text:
+            return "My mobile data does not work." if "user: " not in text else "###STOP###"
+        return '{"status": "ok"}' if text.rsplit("<|im_start|>", 1)[-1].startswith("tool") else "Please restart your phone."
+
+    [[traj]] = RolloutEngine(ScriptedGenerator(tokenizer, reply), bench, dataclasses.replace(ROOMY, mode="rehearse")).run([task], progress=False)
+    assert traj.user_source == "imagined" and traj.end_reason == EndReason.ANSWERED
+    assert [m["content"] for m in traj.messages if m["role"] == "user"] == ["My mobile data does not work."]
 
 
 # ---- BFCL memory: the policy writes the memory in prerequisite conversations, then answers ----
@@ -170,7 +197,7 @@ def test_bfcl_memory_written_in_prerequisites_answers_the_question(tokenizer, bf
     assert len(setup.groups) == 10 and all(g[0].end_reason == EndReason.ANSWERED for g in setup.groups)
     systems = [g[0].messages[0]["content"] for g in setup.groups]
     assert "There is no content in the" in systems[0] and all("Michael" in s for s in systems[1:])
-    assert "Michael" in json.dumps(setup.groups[-1][0].reward_details["benchmark"]["memory"])
+    assert "Michael" in json.dumps(setup.groups[-1][0].benchmark_record["memory"])
     # The question's system message: BFCL's memory prompt with the memory, then the answer format.
     assert traj.messages[0]["content"].index("Michael") < traj.messages[0]["content"].index("For your final answer")
 

@@ -71,14 +71,15 @@ def test_categories_that_cannot_run_say_why(tmp_path):
         plan_benchmarks(config(tmp_path, benchmark="bfcl", categories=["no_such_category"]))
 
 
-def test_tau2_needs_a_user_model_except_solo_and_telecom_needs_real_mode(tmp_path):
+def test_tau2_needs_a_user_model_in_real_mode_only(tmp_path):
     needs("tau2")
     with pytest.raises(ConfigError, match="tau2 airline: needs a simulated user"):
         plan_benchmarks(config(tmp_path, benchmark="tau2", limit=1))
     [solo] = plan_benchmarks(config(tmp_path, benchmark="tau2", categories=["telecom_solo"], limit=1))
     assert solo.split == "base" and len(solo.tasks) == 1 and solo.partial(1)
-    with pytest.raises(ConfigError, match="acts on the real world"):
-        plan_benchmarks(config(tmp_path, benchmark="tau2", categories=["telecom"], limit=1, mode="rehearse", user_model="http://127.0.0.1:9/v1"))
+    # Off real mode the rehearsing model imagines the user, telecom's (who acts on the phone) too.
+    [telecom] = plan_benchmarks(config(tmp_path, benchmark="tau2", categories=["telecom"], limit=1, mode="rehearse"))
+    assert telecom.tasks[0].rules.user_uses_world
 
 
 def bfcl_reference(tmp_path, **values):

@@ -16,7 +16,7 @@ pytest.importorskip("tau2", reason="tau2's package is not installed (pip install
 
 from envace.benchmarks import BENCHMARKS  # noqa: E402
 from envace.benchmarks.tau2 import Tau2UserSimulator  # noqa: E402
-from envace.types import EndReason, ToolCall, Trajectory  # noqa: E402
+from envace.types import CallStatus, EndReason, ToolCall, Trajectory  # noqa: E402
 
 READ_PREFIXES = ("get_", "find_", "search_", "list_", "calculate", "check_", "think")
 
@@ -50,15 +50,15 @@ def replay(bench, task, calls=None):
         if ref["requestor"] == "user" and not task.metadata["solo"]:
             world.user_call(f"u{i}", ref["name"], ref["arguments"], user_turn=0)
         else:
-            agent_calls.append(ToolCall(ref["name"], ref["arguments"]))
+            agent_calls.append(ToolCall(ref["name"], ref["arguments"], status=CallStatus.EXECUTED))
             observations.append(world.execute(agent_calls[-1]))
     if task.metadata["solo"]:
-        agent_calls.append(ToolCall("done", {}))
+        agent_calls.append(ToolCall("done", {}, status=CallStatus.RECORDED))  # as the engine records a stop tool
         observations.append(world.execute(agent_calls[-1]))
     criteria = task.metadata["tau2_task"]["evaluation_criteria"] or {}
     answer = " ".join(criteria.get("communicate_info") or []) or "Done."
     traj = Trajectory(task_id=task.id, mode="real", tool_calls=agent_calls, observations=observations, final_answer=answer, end_reason=EndReason.ANSWERED)
-    traj.reward_details["benchmark"] = bench.rollout_record(task, world)
+    traj.benchmark_record = bench.rollout_record(task, world)
     return traj
 
 
@@ -76,7 +76,7 @@ def test_reference_actions_score_one_and_a_perturbed_action_less(bench, tasks, c
 def test_without_a_world_log_the_calls_are_replayed(bench, tasks, category):
     task = tasks[category][0]
     traj = replay(bench, task)
-    del traj.reward_details["benchmark"]  # e.g. a rehearse-mode trajectory: no world ran
+    traj.benchmark_record = None  # e.g. a rehearse-mode trajectory: no world ran
     assert bench.score(task, traj)[0] == 1.0
     traj.tool_calls = [c for c in traj.tool_calls if c.name != task.reference_calls[-1]["name"]]
     assert bench.score(task, traj)[0] < 1.0
@@ -85,10 +85,10 @@ def test_without_a_world_log_the_calls_are_replayed(bench, tasks, category):
 def test_task_layout(tasks):
     airline = tasks["airline"][0]
     assert [m["role"] for m in airline.messages] == ["system", "assistant"] and "<policy>" in airline.messages[0]["content"]
-    assert airline.metadata["needs_user_simulator"] and airline.tools[0]["type"] == "function"
+    assert airline.rules.simulated_user and airline.tools[0]["type"] == "function"
     solo = tasks["telecom_solo"][0]
     assert [m["role"] for m in solo.messages] == ["system"] and "<ticket>" in solo.messages[0]["content"]
-    assert solo.metadata["stop_tools"] == ["done"] and "done" in {t["function"]["name"] for t in solo.tools}
+    assert solo.rules.stop_tools == ["done"] and "done" in {t["function"]["name"] for t in solo.tools}
     assert "toggle_airplane_mode" in {t["function"]["name"] for t in solo.tools}  # the user's tools too
 
 

@@ -40,7 +40,7 @@ def test_loads_fixture_tasks(bench, tasks):
     names = {t["function"]["name"] for t in delivery.tools}
     assert {"create_delivery_order", "pay_delivery_order", "weather", "get_user_historical_behaviors"} <= names
     assert "instore_book" in {t["function"]["name"] for t in tasks["10826004"].tools}
-    assert delivery.metadata["rubrics"] and delivery.metadata["needs_user_simulator"]
+    assert delivery.metadata["rubrics"] and delivery.rules.simulated_user
     assert bench.offline_status()["delivery"] == "ok" and "ota" in bench.offline_status()
 
 

@@ -32,3 +32,55 @@ def test_help_lists_commands(capsys):
     out = capsys.readouterr().out
     for command in ("eval", "train", "sft", "demo", "tasks", "serve"):
         assert command in out
+
+
+def test_user_errors_map_each_named_class():
+    from envace.backends.models import ModelNotFoundError
+    from envace.backends.openai_http import BackendUnreachableError
+    from envace.cli import _user_errors
+    from envace.config import ConfigError
+    from envace.envs.tasks import TaskFormatError
+    from envace.registry import RegistryError
+    from envace.transcript import TemplateError
+
+    mapped = _user_errors()
+    for cls in (ConfigError, RegistryError, ModelNotFoundError, BackendUnreachableError, TaskFormatError, TemplateError):
+        assert cls in mapped, cls.__name__
+
+
+def no_model_may_load(monkeypatch):
+    """Make any model load fail loudly (an AssertionError is no user error: it would escape main)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the config was validated")
+
+    monkeypatch.setattr("envace.training.trainer.load_trainable", refuse)
+
+
+def test_train_rejects_a_bad_option_before_any_model_loads(monkeypatch, capsys, tmp_path):
+    no_model_may_load(monkeypatch)
+    for argv, message in ((["--dual-clip", "0.5"], "dual_clip must be > 1"),
+                          (["--reward", "judge"], "training has no judge model yet"),
+                          (["--temperature", "0.7"], "temperature 1 and top_p 1")):
+        assert main(["train", "--tiny", "--output-dir", str(tmp_path / "run"), *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()  # no work started
+
+
+def test_train_mode_in_yaml_says_the_variant_decides(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("rollout:\n  mode: simulator\n")
+    assert main(["train", "--config", str(path)]) == 2
+    assert "the variant decides" in capsys.readouterr().err
+
+
+def test_eval_and_train_help_list_the_rollout_flags_with_their_defaults(capsys):
+    import pytest
+
+    for command, default in (("eval", "(default: 0.6)"), ("train", "(default: 1.0)")):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        out = " ".join(capsys.readouterr().out.split())
+        assert "rollout options" in out and "--max-turns MAX_TURNS" in out and "--rehearse-layout {transcript,isolated}" in out
+        assert f"sampling temperature (0 = greedy) {default}" in out
+        assert ("--mode {real,rehearse,simulator}" in out) == (command == "eval")  # train's variant decides the mode

@@ -8,9 +8,15 @@ import json
 
 import pytest
 
+from envace.backends.scripted import ScriptedGenerator, sequence_reply
 from envace.envs import HELDOUT_WORLDS, TRAIN_WORLDS, WORLDS, get_world
+from envace.envs.base import ToolError, ToolWorld, tool
+from envace.envs.environment import WorldEnvironment
 from envace.envs.tasks import builtin_tasks
 from envace.registry import RegistryError
+from envace.rewards import Context, compute_rewards
+from envace.rollout import RolloutConfig, RolloutEngine
+from envace.types import EndReason, Task
 
 ALL_WORLDS = TRAIN_WORLDS + HELDOUT_WORLDS
 
@@ -331,3 +337,76 @@ def test_custom_world_by_module_path():
         get_world("tests.fixtures_worlds:Missing")
     with pytest.raises(RegistryError, match="unknown environment"):
         get_world("nosuchworld")
+
+
+class Shelf(ToolWorld):
+    """A user world whose default state holds books, and whose tool has a bug: an unknown title
+    raises KeyError instead of a ToolError."""
+
+    name = "shelf"
+    description = "A shelf of books. borrow(title) takes a book that is in."
+
+    def default_state(self):
+        return {"books": {"Dune": "in", "Emma": "in"}}
+
+    @tool("Borrow a book.", {"title": {"type": "string"}}, ["title"])
+    def borrow(self, title):
+        if self.state["books"][title] != "in":
+            raise ToolError("UNAVAILABLE", f"{title} is out")
+        self.state["books"][title] = "out"
+        return {"borrowed": title}
+
+
+SHELF = "tests.test_envs:Shelf"
+SHELF_DEFAULT = {"books": {"Dune": "in", "Emma": "in"}}
+UNKNOWN_TITLE_ERROR = {"error": {"code": "TOOL_EXCEPTION", "message": "borrow raised KeyError: 'Ulysses'"}}
+
+
+def shelf_task(**kw):
+    return Task(id="shelf-0", world=SHELF, messages=[{"role": "user", "content": "Borrow Ulysses, or Dune if there is none."}], **kw)
+
+
+def test_task_without_initial_state_starts_from_the_world_default():
+    assert shelf_task().initial_state == {}  # what a task line without the key loads as
+    assert WorldEnvironment().make_world(shelf_task()).state == SHELF_DEFAULT
+    own = {"books": {"Ulysses": "out"}}
+    assert WorldEnvironment().make_world(shelf_task(initial_state=own)).state == own  # replaced, not merged
+    world = Shelf(own)
+    world.reset({})
+    assert world.state == SHELF_DEFAULT
+
+
+def test_unexpected_tool_exception_is_an_error_observation_logged_and_counted(caplog):
+    world = Shelf()
+    with caplog.at_level("WARNING", logger="envace.envs.base"):
+        assert world.call("borrow", {"title": "Ulysses"}) == UNKNOWN_TITLE_ERROR
+    [record] = caplog.records
+    assert "'borrow'" in record.getMessage() and "Shelf" in record.getMessage()
+    assert record.levelname == "WARNING" and record.exc_info[0] is KeyError  # the traceback is logged
+    assert world.tool_exceptions == 1
+    ok(world, "borrow", title="Dune")
+    assert code(world, "borrow", title="Dune") == "UNAVAILABLE"  # a ToolError keeps its own code...
+    assert world.tool_exceptions == 1 and len(caplog.records) == 1  # ...and is neither counted nor logged
+
+    def interrupted(title):
+        raise KeyboardInterrupt
+
+    world.borrow = interrupted
+    with pytest.raises(KeyboardInterrupt):  # stopping a run by hand must still stop it
+        world.call("borrow", {"title": "Emma"})
+
+
+def test_rollout_and_replay_reward_go_on_past_a_tool_exception(tokenizer, caplog):
+    """Real mode: the KeyError is the first call's observation, ACT goes on to borrow Dune; the
+    replay reward replays both calls on a fresh world and scores the task."""
+    task = shelf_task(success={"state": [{"path": "books.Dune", "equals": "out"}]})
+    replies = ['<tool_call>{"name": "borrow", "arguments": {"title": "Ulysses"}}</tool_call>',
+               '<tool_call>{"name": "borrow", "arguments": {"title": "Dune"}}</tool_call>', "I borrowed Dune."]
+    engine = RolloutEngine(ScriptedGenerator(tokenizer, sequence_reply(replies)), WorldEnvironment(), RolloutConfig(mode="real"))
+    with caplog.at_level("WARNING", logger="envace.envs.base"):
+        [[traj]] = engine.run([task], progress=False)
+        compute_rewards("replay", [[traj]], [task], Context(env=WorldEnvironment()))
+    assert traj.end_reason == EndReason.ANSWERED and traj.final_answer == "I borrowed Dune."
+    assert traj.observations == [UNKNOWN_TITLE_ERROR, {"borrowed": "Dune"}] and traj.real_env_calls == 2
+    assert traj.reward == 1.0 and traj.real_observations == traj.observations
+    assert len(caplog.records) == 2  # once in the rollout, once in the replay

@@ -1,48 +1,21 @@
+import re
+
 import pytest
 
+from envace.backends.models import ModelNotFoundError
 from envace.config import ConfigError, build
-from envace.evaluation.metrics import summarize_by, summarize_records, trajectory_record, wilson_interval
 from envace.evaluation.report import markdown_table
 from envace.evaluation.runner import EvalConfig, check_leakage, load_eval_tasks
-from envace.training.manifest import build_manifest, write_manifest
-from envace.types import EndReason, Role, Task, ToolCall, Trajectory, Turn
-
-
-def test_wilson_interval_hand_computed():
-    # p=0.5, n=4, z=1.96: centre 0.5, half = 1.96*sqrt(0.0625+0.0600)/1.9604 = 0.3498
-    low, high = wilson_interval(2, 4)
-    assert low == pytest.approx(0.1500, abs=1e-3) and high == pytest.approx(0.8500, abs=1e-3)
-    assert wilson_interval(0, 0) == (0.0, 0.0)
-
-
-def _traj(reward, calls, mode="real", obs=None):
-    t = Trajectory(task_id="t", mode=mode, turns=[Turn(Role.PROMPT, [1, 2, 3]), Turn(Role.ACT, [4, 5], [0.0, 0.0])],
-                   tool_calls=[ToolCall(c, {}) for c in calls], observations=obs or [], reward=reward, end_reason=EndReason.ANSWERED)
-    return t
-
-
-def test_records_and_summary_hand_computed():
-    task = Task(id="t", world="bank", messages=[], reference_calls=[{"name": "a"}, {"name": "b"}])
-    good = trajectory_record(task, _traj(1.0, ["a", "b"]))
-    half = trajectory_record(task, _traj(0.0, ["a"]))
-    assert (good["tool_f1"], half["tool_precision"], half["tool_recall"]) == (1.0, 1.0, 0.5)
-    s = summarize_records([good, half], wall_seconds=10.0)
-    assert s["success_rate"] == 0.5 and s["seconds_per_task"] == 5.0
-    assert s["tool_f1"] == pytest.approx((1.0 + 2 / 3) / 2)
-    assert s["tokens_per_task"] == 5
-
-
-def test_fidelity_in_rehearse_records():
-    task = Task(id="t", world="bank", messages=[])
-    traj = _traj(1.0, ["a"], mode="rehearse", obs=[{"x": 1}])
-    traj.reward_details = {"real_observations": [{"x": 2}]}
-    s = summarize_records([trajectory_record(task, traj)])
-    assert s["fidelity/exact"] == 0.0 and s["fidelity/calls"] == 1
+from envace.manifest import build_manifest, write_manifest
+from envace.metrics import summarize_by, summarize_records, trajectory_record
+from envace.registry import RegistryError
+from envace.types import Task
+from tests.test_metrics import scored_traj
 
 
 def test_markdown_table_has_a_row_per_world_and_overall():
     task = Task(id="t", world="bank", messages=[])
-    records = [trajectory_record(task, _traj(1.0, []))]
+    records = [trajectory_record(task, scored_traj(1.0, []))]
     table = markdown_table({"overall": summarize_records(records), "by_world": summarize_by(records, "world")})
     assert table.splitlines()[2].startswith("| bank | 1 | 1.000") and table.splitlines()[-1].startswith("| overall")
 
@@ -64,12 +37,16 @@ def test_manifest_inherits_from_init_checkpoint(tmp_path):
     assert build_manifest(b, str(tmp_path / "sft"))["task_ids"] == ["a", "b"]
 
 
-@pytest.mark.parametrize("values,match", [
-    ({"tasks": "/nope.jsonl"}, "does not exist"), ({"split": "dev"}, "split"), ({"mode": "simulator"}, "--simulator"),
-    ({"model": "/no/model"}, "model"), ({"worlds": ["nowhere"]}, "unknown environment"), ({"k": 0}, "k must be"),
+@pytest.mark.parametrize("values,error,match", [
+    ({"tasks": "/nope.jsonl"}, ConfigError, "task file /nope.jsonl does not exist"),
+    ({"split": "dev"}, ConfigError, "split 'dev' must be train, val, test or heldout"),
+    ({"mode": "simulator"}, ConfigError, "--mode simulator needs --simulator MODEL"),
+    ({"model": "/no/model"}, ModelNotFoundError, "unknown model '/no/model'"),
+    ({"worlds": ["nowhere"]}, RegistryError, "unknown environment 'nowhere'"),
+    ({"k": 0}, ConfigError, "k must be >= 1, got 0"),
 ])
-def test_bad_eval_input_fails_before_work(values, match):
-    with pytest.raises(Exception, match=match):
+def test_bad_eval_input_fails_before_work(values, error, match):
+    with pytest.raises(error, match=re.escape(match)):
         load_eval_tasks(build(EvalConfig, values))
 
 
@@ -109,3 +86,16 @@ def test_dependency_waves_order_tasks_after_what_they_depend_on():
         dependency_waves([task("x", "y"), task("y", "x")])
     with pytest.raises(ValueError, match="tasks z depend on tasks that are not given"):
         dependency_waves([task("z", "missing")])
+
+
+def test_trajectory_json_writes_the_typed_fields():
+    from envace.evaluation.runner import trajectory_json
+    from envace.types import CallStatus, ToolCall, Trajectory
+
+    traj = Trajectory(task_id="t", mode="rehearse", tool_calls=[ToolCall("add", {"n": 2}, status=CallStatus.REHEARSED),
+                                                                 ToolCall("add", {"n": 3}, status=CallStatus.UNANSWERED)],
+                      observations=[{"value": 2}], real_observations=[{"value": 2}], benchmark_record={"tool_log": []},
+                      end_error={"code": "NOT_JSON"}, user_source="imagined")
+    d = trajectory_json(traj)
+    assert [c["status"] for c in d["tool_calls"]] == ["rehearsed", "unanswered"]
+    assert (d["real_observations"], d["benchmark_record"], d["end_error"], d["user_source"]) == ([{"value": 2}], {"tool_log": []}, {"code": "NOT_JSON"}, "imagined")

@@ -19,7 +19,7 @@ from envace.rehearsal import (
 from envace.rehearsal.private import fit_tokens
 from envace.rewards import Context, compute_rewards
 from envace.rollout import GuardDecision, RolloutConfig, RolloutEngine
-from envace.types import EndReason, Role, Task
+from envace.types import CallStatus, EndReason, Role, Task
 from tests.test_rollout import WORLD, agent, counter_task
 
 EVALUATE_MARK = "Evaluate the rehearsal in three short lines"
@@ -266,6 +266,10 @@ def test_guard_blocks_a_call_whose_rehearsal_fails(tokenizer):
     assert "LOCKED" in event["rehearsal"] and "LOCKED: the counter is locked" in event["reason"]
     assert traj.observations[0] == {"error": {"code": "NOT_EXECUTED", "message": event["reason"]}}
     assert traj.end_reason == EndReason.ANSWERED and "NOT_EXECUTED" in traj.final_answer
+    # The blocked reset never ran, so replaying what was executed leaves the counter at 7: no success.
+    assert [c.status for c in traj.tool_calls] == [CallStatus.REVISED] and traj.committed_calls == []
+    compute_rewards("replay", [[traj]], [reset_task()], Context(env=WorldEnvironment()))
+    assert traj.reward == 0.0
 
 
 def test_guard_allows_a_call_whose_rehearsal_succeeds(tokenizer):
@@ -303,6 +307,9 @@ def stop_rule(rehearsal: GuardRehearsal) -> GuardDecision:
 def test_user_rule_by_module_path_can_stop(tokenizer):
     traj, world, _ = guarded_run(tokenizer, '{"value": 0}', rule="tests.test_rehearsal:stop_rule")
     assert traj.end_reason == EndReason.STOPPED and world.state == {"value": 7}
+    assert [c.status for c in traj.tool_calls] == [CallStatus.STOPPED]
+    compute_rewards("replay", [[traj]], [reset_task()], Context(env=WorldEnvironment()))
+    assert traj.reward == 0.0
     assert traj.events[0]["rule"] == "tests.test_rehearsal:stop_rule" and traj.events[0]["reason"] == "ask the user before reset_counter"
 
 

@@ -6,7 +6,7 @@ from envace.backends.scripted import ScriptedGenerator
 from envace.envs.environment import WorldEnvironment
 from envace.rewards import Context, compute_rewards
 from envace.rollout import RolloutConfig, RolloutEngine
-from envace.types import EndReason, Role, Task
+from envace.types import AddedTools, CallStatus, EndReason, EpisodeRules, Role, Task
 from tests.worlds import Counter
 
 WORLD = "tests.worlds:Counter"
@@ -62,7 +62,7 @@ def test_rehearse_mode_policy_writes_tool_turn_and_never_calls_world(tokenizer):
     assert traj.observations == [{"value": 5}]
     compute_rewards("replay", [[traj]], [counter_task()], Context(env=WorldEnvironment()))
     assert traj.reward == 1.0
-    assert traj.reward_details["real_observations"] == [{"value": 5}]
+    assert traj.real_observations == [{"value": 5}]
 
 
 def test_same_token_layout_in_real_and_rehearse_mode(tokenizer):
@@ -99,7 +99,8 @@ def test_malformed_act_is_observation_penalty_and_end(tokenizer):
     [[traj]] = eng.run([counter_task()], progress=False)
     assert traj.end_reason == EndReason.MALFORMED_ACT
     assert traj.penalties == {"act": 1}
-    assert traj.observations[-1]["error"]["code"] == "MALFORMED_TOOL_CALL" and traj.outputs(Role.ACT)[-1].malformed
+    assert traj.end_error["error"]["code"] == "MALFORMED_TOOL_CALL" and traj.outputs(Role.ACT)[-1].malformed
+    assert traj.observations == []  # no call was made, so nothing answered one
 
 
 def test_malformed_rehearsal_is_observation_penalty_and_end(tokenizer):
@@ -262,9 +263,9 @@ class ScriptedUser:
         return "Add 5 again." if sum(m["role"] == "user" for m in messages) < 2 else None
 
 
-def chat_task(**metadata):
+def chat_task():
     return Task(id="chat", world=WORLD, messages=[{"role": "system", "content": "Be brief."}, {"role": "assistant", "content": "Hi! How can I help?"}],
-                initial_state={"value": 0}, metadata={"needs_user_simulator": True, **metadata})
+                initial_state={"value": 0}, rules=EpisodeRules(simulated_user=True))
 
 
 def test_simulated_user_opens_after_the_agents_greeting_and_sees_the_world(tokenizer):
@@ -290,15 +291,33 @@ def test_the_environments_user_simulator_is_used_and_required(tokenizer):
     class Env(WorldEnvironment):
         user_simulator = ScriptedUser()
 
-    [[traj]] = RolloutEngine(ScriptedGenerator(tokenizer, rehearsing_turn_agent), Env(), RolloutConfig(mode="rehearse")).run([chat_task()], progress=False)
-    assert traj.tool_calls and Env.user_simulator.seen[0] == ("start", None)  # no world outside real mode
+    [[traj]] = RolloutEngine(ScriptedGenerator(tokenizer, turn_agent), Env(), RolloutConfig()).run([chat_task()], progress=False)
+    assert traj.tool_calls and Env.user_simulator.seen[0][0] == "start" and traj.user_source == "simulator"
     with pytest.raises(ValueError, match="needs a user simulator"):
         RolloutEngine(ScriptedGenerator(tokenizer, turn_agent), WorldEnvironment()).run([chat_task()], progress=False)
 
 
+def imagining_agent(text):
+    """rehearsing_turn_agent that also plays the user when asked to (the imagined user's prompt)."""
+    if "You play the user" in text:
+        asked = text.count("user: ")
+        return "Please add 5." if asked == 0 else "###STOP###"
+    return rehearsing_turn_agent(text)
+
+
+def test_off_real_mode_the_rehearsing_model_imagines_the_user_and_the_real_simulator_is_never_called(tokenizer):
+    user = ScriptedUser()
+    eng = RolloutEngine(ScriptedGenerator(tokenizer, imagining_agent), WorldEnvironment(), RolloutConfig(mode="rehearse"), user_simulator=user)
+    [[traj]] = eng.run([chat_task()], progress=False)
+    assert user.seen == [] and traj.user_source == "imagined"
+    # The imagined user asked once (after the greeting), then stopped after the agent's answer.
+    assert [m["content"] for m in traj.messages if m["role"] == "user"] == ["Please add 5."]
+    assert traj.end_reason == EndReason.ANSWERED and traj.observations == [{"value": 5}] and traj.real_env_calls == 0
+
+
 def test_resume_counts_the_simulated_first_message_as_user_turn_zero(tokenizer):
     user = ScriptedUser()
-    eng = RolloutEngine(ScriptedGenerator(tokenizer, rehearsing_turn_agent), WorldEnvironment(), RolloutConfig(mode="rehearse", max_turns=1), user_simulator=user)
+    eng = RolloutEngine(ScriptedGenerator(tokenizer, imagining_agent), WorldEnvironment(), RolloutConfig(mode="rehearse", max_turns=1), user_simulator=user)
     [[prefix]] = eng.run([chat_task()], progress=False)
     prefix.end_reason = None  # cut after its first ACT turn
     [cont] = eng.resume(chat_task(), prefix)
@@ -308,7 +327,7 @@ def test_resume_counts_the_simulated_first_message_as_user_turn_zero(tokenizer):
 def test_added_tools_join_at_their_user_turn(tokenizer):
     add_only = [s for s in Counter.tool_schemas() if s["function"]["name"] == "add"]
     get = [s for s in Counter.tool_schemas() if s["function"]["name"] == "get"]
-    task = counter_task(user_turns=[{"role": "user", "content": "Now read it."}], tools=add_only, metadata={"added_tools": [{"user_turn": 1, "tools": get}]})
+    task = counter_task(user_turns=[{"role": "user", "content": "Now read it."}], tools=add_only, rules=EpisodeRules(added_tools=[AddedTools(1, get)]))
     replies = iter([ADD5, "It is 5.", '<tool_call>{"name": "get", "arguments": {}}</tool_call>', "Still 5."])
     eng, _ = engine(tokenizer, "real", reply=lambda _: next(replies))
     [[traj]] = eng.run([task], progress=False)
@@ -320,7 +339,7 @@ def test_added_tools_join_at_their_user_turn(tokenizer):
 
 def test_stop_after_first_act_records_the_calls_without_running_them(tokenizer):
     eng, _ = engine(tokenizer, "real", reply=lambda _: ADD5 + "\n" + ADD5)
-    [[traj]] = eng.run([counter_task(metadata={"stop_after_first_act": True})], progress=False)
+    [[traj]] = eng.run([counter_task(rules=EpisodeRules(stop_after_first_act=True))], progress=False)
     assert traj.end_reason == EndReason.ANSWERED and len(traj.tool_calls) == 2
     assert traj.observations == [] and traj.real_env_calls == 0 and len(traj.outputs(Role.ACT)) == 1
 
@@ -328,7 +347,7 @@ def test_stop_after_first_act_records_the_calls_without_running_them(tokenizer):
 def test_a_stop_tool_ends_the_trajectory_and_replaces_its_output(tokenizer):
     replies = iter([ADD5, ADD5 + '\n<tool_call>{"name": "get", "arguments": {}}</tool_call>'])
     eng, _ = engine(tokenizer, "real", reply=lambda _: next(replies))
-    [[traj]] = eng.run([counter_task(metadata={"stop_tools": ["get"]})], progress=False)
+    [[traj]] = eng.run([counter_task(rules=EpisodeRules(stop_tools=["get"]))], progress=False)
     assert traj.end_reason == EndReason.ANSWERED and [c.name for c in traj.tool_calls] == ["add", "get"]
     assert traj.real_env_calls == 1  # the add next to the stop call never ran
 
@@ -339,9 +358,9 @@ def test_max_steps_per_turn_counts_act_turns_per_user_turn(tokenizer):
 
     later = [{"role": "user", "content": "Again."}]
     eng, _ = engine(tokenizer, "real", reply=three_adds, max_turns=5)
-    [[per_turn]] = eng.run([counter_task(user_turns=later, metadata={"max_steps_per_turn": 4})], progress=False)
+    [[per_turn]] = eng.run([counter_task(user_turns=later, rules=EpisodeRules(max_steps_per_turn=4))], progress=False)
     assert per_turn.end_reason == EndReason.ANSWERED and len(per_turn.outputs(Role.ACT)) == 8  # 4 + 4 > max_turns
-    [[capped]] = eng.run([counter_task(user_turns=later, metadata={"max_steps_per_turn": 2})], progress=False)
+    [[capped]] = eng.run([counter_task(user_turns=later, rules=EpisodeRules(max_steps_per_turn=2))], progress=False)
     assert capped.end_reason == EndReason.MAX_TURNS and len(capped.outputs(Role.ACT)) == 2
 
 
@@ -352,9 +371,9 @@ def test_rollout_record_is_kept_for_the_scorer(tokenizer):
 
     policy = ScriptedGenerator(tokenizer, agent)
     [[real]] = RolloutEngine(policy, Env(), RolloutConfig()).run([counter_task()], progress=False)
-    assert real.reward_details["benchmark"] == {"final": {"value": 5}}
+    assert real.benchmark_record == {"final": {"value": 5}}
     [[rehearsed]] = RolloutEngine(policy, Env(), RolloutConfig(mode="rehearse")).run([counter_task()], progress=False)
-    assert "benchmark" not in rehearsed.reward_details  # no world ran
+    assert rehearsed.benchmark_record is None  # no world ran
 
 
 def test_max_active_bounds_rollouts_in_flight_and_keeps_the_order(tokenizer):
@@ -382,3 +401,79 @@ def test_a_user_who_leaves_at_once_ends_the_trajectory_not_the_run(tokenizer):
     assert stays.end_reason == EndReason.ANSWERED and stays.tool_calls
     assert left.end_reason == EndReason.USER_ENDED and not left.tool_calls and [m["role"] for m in left.messages] == ["system", "assistant"]
     assert policy.sequences == {}  # its session was closed too
+
+
+# ---- token budgets, per episode ---------------------------------------------------------------
+
+LONG_ANSWER = "The counter is five. " * 8  # about 50 tokens, well under max_turn_tokens
+
+
+def padded_task(task_id: str, padding_words: int) -> Task:
+    """A task whose prompt is `padding_words` words longer: less room left under max_total_tokens."""
+    task = counter_task()
+    task.id = task_id
+    task.messages = [{"role": "user", "content": "Tell me the counter. " + "pad " * padding_words}]
+    return task
+
+
+def test_each_episode_generates_within_its_own_budget_whatever_else_is_in_the_batch(tokenizer):
+    """Defect: one batch used the smallest remaining budget of any row, so an episode near
+    max_total_tokens cut every other episode's output short (ended max_turn_tokens, reward 0)."""
+    roomy, tight = padded_task("roomy", 0), padded_task("tight", 120)
+    probe, _ = engine(tokenizer, "real")
+    prompt_tokens = {t.id: len(probe.transcript.prompt(t.messages, *WorldEnvironment().describe(t)).token_ids) for t in (roomy, tight)}
+    total = prompt_tokens["tight"] + 30  # the tight episode has 30 tokens left, the roomy one plenty
+    assert total - prompt_tokens["roomy"] > 100
+    cfg = dict(max_turn_tokens=100, max_total_tokens=total)
+    batch_eng, _ = engine(tokenizer, "real", reply=lambda _: LONG_ANSWER, **cfg)
+    [[roomy_b], [tight_b]] = batch_eng.run([roomy, tight], progress=False)
+    alone = {t.id: engine(tokenizer, "real", reply=lambda _: LONG_ANSWER, **cfg)[0].run([t], progress=False)[0][0] for t in (roomy, tight)}
+    # The roomy episode answers in full although the tight one had fewer than 50 tokens left.
+    room_tight = total - prompt_tokens["tight"]
+    assert room_tight < len(roomy_b.outputs(Role.ACT)[0].token_ids) < 100
+    assert roomy_b.end_reason == EndReason.ANSWERED and roomy_b.final_answer == LONG_ANSWER.strip()
+    assert tight_b.end_reason == EndReason.MAX_TOTAL_TOKENS and len(tight_b.outputs(Role.ACT)[0].token_ids) == room_tight
+    # Batch composition changes nothing.
+    for traj in (roomy_b, tight_b):
+        assert traj.token_ids == alone[traj.task_id].token_ids and traj.end_reason == alone[traj.task_id].end_reason
+
+
+# ---- call statuses: what was committed --------------------------------------------------------
+
+
+def test_calls_carry_what_became_of_them(tokenizer):
+    two_calls = ADD5 + "\n" + ADD5
+    [[real]] = engine(tokenizer, "real", reply=lambda t: "Done." if "<|im_start|>tool" in t else two_calls)[0].run([counter_task()], progress=False)
+    assert [c.status for c in real.tool_calls] == [CallStatus.EXECUTED] * 2 and len(real.committed_calls) == 2
+    [[reh]] = engine(tokenizer, "rehearse")[0].run([counter_task()], progress=False)
+    assert [c.status for c in reh.tool_calls] == [CallStatus.REHEARSED]
+    assert reh.committed_exchanges() == [(reh.tool_calls[0], {"value": 5})]
+    # The first response does not fit under the total-token limit: the world ran that call (its
+    # effect is real, so it stays committed), the episode ends, and the second call never runs.
+    first_env = [i for i, t in enumerate(real.turns) if t.role == Role.ENV][0]
+    limit = sum(len(t.token_ids) for t in real.turns[:first_env]) + 1
+    [[cut]] = engine(tokenizer, "real", reply=lambda t: "Done." if "<|im_start|>tool" in t else two_calls, max_total_tokens=limit)[0].run([counter_task()], progress=False)
+    assert cut.end_reason == EndReason.MAX_TOTAL_TOKENS
+    assert [c.status for c in cut.tool_calls] == [CallStatus.EXECUTED, CallStatus.UNANSWERED] and cut.real_env_calls == 1
+
+
+def test_stop_and_single_response_calls_are_recorded_not_committed(tokenizer):
+    eng, _ = engine(tokenizer, "real", reply=lambda _: ADD5)
+    [[traj]] = eng.run([counter_task(rules=EpisodeRules(stop_after_first_act=True))], progress=False)
+    assert [c.status for c in traj.tool_calls] == [CallStatus.RECORDED] and traj.committed_calls == []
+
+
+def test_a_truncated_rehearsal_ends_the_episode_without_penalty_in_both_layouts(tokenizer):
+    """One rule for a REHEARSE output that hits its token limit, transcript or isolated layout:
+    the trajectory ends there (max_turn_tokens), unpenalised, like a truncated ACT output."""
+    rambling = '{"value": ' + "5" * 400 + "}"
+
+    def reply(text):
+        last = text.rsplit("<|im_start|>", 1)[-1]
+        return rambling if last.startswith("tool") or "precise tool simulator" in text or "Simulate" in text else ADD5
+
+    for layout in ("transcript", "isolated"):
+        [[traj]] = engine(tokenizer, "rehearse", reply=reply, rehearse_layout=layout, max_rehearse_tokens=16)[0].run([counter_task()], progress=False)
+        assert traj.end_reason == EndReason.MAX_TURN_TOKENS, layout
+        assert traj.penalties == {} and not any(t.malformed for t in traj.turns + [r for row in traj.side_rows for r in row.turns]), layout
+        assert [c.status for c in traj.tool_calls] == [CallStatus.UNANSWERED], layout

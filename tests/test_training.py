@@ -2,7 +2,7 @@
 
 import json
 import os
-import signal
+import re
 import subprocess
 import sys
 import time
@@ -10,12 +10,13 @@ import time
 import pytest
 import torch
 
-from envace.algorithms.losses import TRAINED_ROLES, build_rows
+from envace.algorithms.losses import build_rows
 from envace.algorithms import ADVANTAGES
 from envace.config import ConfigError, build
 from envace.envs.tasks import save_tasks
 from envace.training.sft import SFTConfig, reference_trajectories, run_sft, sft_rows
 from envace.training.trainer import TaskStream, TrainConfig, Trainer
+from envace.training.variants import VARIANTS
 from envace.types import Role, Task
 
 from tests.test_rollout import counter_task
@@ -83,13 +84,13 @@ def test_variant_masks_choose_trained_tokens(tokenizer, variant, layout, trained
     from envace.rollout import RolloutConfig, RolloutEngine
     from tests.test_rollout import agent
 
-    mode = {"real-grpo": "real", "simulator": "simulator"}.get(variant, "rehearse")
+    mode = VARIANTS.get(variant).rollout_mode
     sim = ScriptedGenerator(tokenizer, lambda _: '{"value": 5}') if mode == "simulator" else None
     engine = RolloutEngine(ScriptedGenerator(tokenizer, agent), WorldEnvironment(), RolloutConfig(mode=mode), simulator=sim)
     groups = engine.run([counter_task()], k=2, progress=False)
     groups[0][0].reward, groups[0][1].reward = 1.0, 0.0
     adv = ADVANTAGES.get("role_grpo")(groups)
-    [row, _] = build_rows(groups[0], adv[0].trajectories, TRAINED_ROLES[variant]["policy"], layout)
+    [row, _] = build_rows(groups[0], adv[0].trajectories, VARIANTS.get(variant).trained_roles["policy"], layout)
     trained_roles = {Role(r) for r, m in zip(row.roles, row.loss_mask) if m}
     assert trained_roles == trained
     assert all(m == 0 for r, m in zip(row.roles, row.loss_mask) if r in (Role.PROMPT, Role.ENV, Role.USER))
@@ -115,16 +116,21 @@ def test_sft_reduces_loss(tmp_path, task_file):
     assert (tmp_path / "sft" / "final" / "config.json").is_file() and result["examples"] == 4
 
 
-def test_train_step_updates_weights_and_logs(tmp_path, task_file):
-    cfg = build(TrainConfig, dict(SMALL, tasks=task_file, output_dir=str(tmp_path / "run"), steps=1))
+@pytest.mark.parametrize("reward,degenerate_frac,moves", [
+    ("tests.training_rewards:constant", 1.0, False),  # equal rewards: no signal, the update is skipped
+    ("tests.training_rewards:rollout_index", 0.0, True),  # rewards 0 and 1 in every group
+])
+def test_train_step_updates_weights_only_with_a_learning_signal_and_logs(tmp_path, task_file, reward, degenerate_frac, moves):
+    # penalty 0: a malformed output of the random model must not give the constant reward a signal
+    cfg = build(TrainConfig, dict(SMALL, tasks=task_file, output_dir=str(tmp_path / "run"), steps=1, reward=reward, penalty=0.0))
     trainer = Trainer(cfg)
     before = params(trainer.models.policy)
     metrics = trainer.train_step()
     trainer.logger.close()
     assert metrics["env/real_calls_step"] == 0  # rehearse mode never calls the real world
     assert "policy/trained_tokens" in metrics and "time/rollout_share" in metrics
-    moved = not torch.equal(before, params(trainer.models.policy))
-    assert moved == (metrics["groups/degenerate_frac"] < 1.0)
+    assert metrics["groups/degenerate_frac"] == degenerate_frac
+    assert (not torch.equal(before, params(trainer.models.policy))) == moves
     from envace.training.checkpoint import latest_checkpoint
 
     assert latest_checkpoint(tmp_path / "run").name.endswith("1")
@@ -165,33 +171,59 @@ def test_resume_accepts_a_run_saved_before_an_option_existed(tmp_path):
     del saved["on_malformed"]
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
     assert check_resume(tmp_path, cfg, resume=True) is not None
-    cfg.on_malformed = "continue"
+    cfg.rollout.on_malformed = "continue"
     with pytest.raises(ConfigError, match="options differ.*on_malformed"):
         check_resume(tmp_path, cfg, resume=True)
 
 
+def untimed_metrics(run_dir):
+    """Each logged step's metrics without the clock's (which differ between two runs)."""
+    lines = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    return [{k: v for k, v in m.items() if k != "time" and not k.startswith("time/")} for m in lines]
+
+
 @pytest.mark.slow
 def test_killed_run_resumes_from_last_checkpoint(tmp_path, task_file):
-    """SIGKILL a training process after its first checkpoint; --resume finishes the run."""
-    out = tmp_path / "killed"
-    args = [sys.executable, "-m", "envace.cli", "train", "--tiny", "--tasks", task_file, "--steps", "3", "--tasks-per-step", "2", "--k", "2",
-            "--max-turns", "2", "--max-turn-tokens", "12", "--max-rehearse-tokens", "8", "--max-total-tokens", "400",
-            "--no-progress", "--no-tensorboard", "--output-dir", str(out)]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    from envace.training.checkpoint import latest_checkpoint
+    """SIGKILL a training process in step 2, after its step-1 checkpoint; --resume finishes the run
+    with the weights and metrics of an uninterrupted run. The reward blocks the run in step 2 and
+    says so, so the kill never races the run, on a fast machine or a slow one; it differs within
+    each group, so every step updates the weights and a wrongly restored step would show."""
+    from safetensors.torch import load_file
 
-    while latest_checkpoint(out) is None:
-        assert time.time() < deadline and proc.poll() is None, "training died before its first checkpoint"
-        time.sleep(0.5)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert not (out / "final").exists()
-    done = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert (out / "final" / "config.json").is_file()
-    steps = [json.loads(line)["step"] for line in open(out / "metrics.jsonl")]
-    assert steps == sorted(set(steps)) and steps[-1] == 3
+    from envace.training.checkpoint import latest_checkpoint
+    from tests.training_rewards import BLOCK_RUN_DIR, blocked_marker
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def train_command(out):
+        return [sys.executable, "-m", "envace.cli", "train", "--tiny", "--tasks", task_file, "--steps", "3", "--tasks-per-step", "2", "--k", "2",
+                "--max-turns", "2", "--max-turn-tokens", "12", "--max-rehearse-tokens", "8", "--max-total-tokens", "400",
+                "--reward", "tests.training_rewards:blocking_rollout_index", "--no-progress", "--no-tensorboard", "--output-dir", str(out)]
+
+    env = {k: v for k, v in os.environ.items() if k != BLOCK_RUN_DIR} | {"PYTHONPATH": root}  # tests/ importable
+    killed, whole = tmp_path / "killed", tmp_path / "whole"
+    with open(tmp_path / "killed.log", "w") as log:
+        proc = subprocess.Popen(train_command(killed), stdout=log, stderr=subprocess.STDOUT, env=env | {BLOCK_RUN_DIR: str(killed)})
+    try:
+        deadline = time.monotonic() + 300
+        while not blocked_marker(killed).exists():  # the run's own signal: once set, it stays blocked
+            assert proc.poll() is None, "training died before step 2:\n" + (tmp_path / "killed.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, "training did not reach step 2 within 300 s"
+            time.sleep(0.1)
+        assert latest_checkpoint(killed).name == "step-00000001" and not (killed / "final").exists()
+    finally:
+        proc.kill()  # SIGKILL: the crash under test (and no blocked process left behind by a failure)
+        proc.wait()
+
+    for command in (train_command(killed) + ["--resume"], train_command(whole)):
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+        assert done.returncode == 0, done.stderr[-2000:]
+    resumed_weights, whole_weights = (load_file(run / "final" / "model.safetensors") for run in (killed, whole))
+    assert resumed_weights.keys() == whole_weights.keys()
+    assert all(torch.allclose(resumed_weights[k], whole_weights[k], atol=1e-6) for k in whole_weights)
+    assert [m["step"] for m in untimed_metrics(killed)] == [1, 2, 3]  # step 1 from the killed process, 2-3 resumed
+    assert untimed_metrics(killed) == untimed_metrics(whole)
+    assert [m["policy/skipped_update"] for m in untimed_metrics(whole)] == [0.0] * 3  # the weights moved every step
 
 
 def distributed(nproc: int, *args: str, timeout: int = 600) -> str:
@@ -228,17 +260,34 @@ def test_two_process_grpo_updates_and_keeps_replicas_identical(tmp_path, task_fi
     assert (tmp_path / "grpo" / "final" / "model.safetensors").is_file()
 
 
-@pytest.mark.parametrize("variant,extra", [("real-grpo", {}), ("simulator", {}), ("no-share", {"rehearse_layout": "isolated"}), ("act-only", {}), ("envace", {"real_fraction": 0.5})])
+@pytest.mark.parametrize("variant,extra", [("real-grpo", {}), ("simulator", {}), ("no-share", {"rehearse_layout": "isolated"}), ("act-only", {})])
 def test_every_variant_runs_a_step(tmp_path, task_file, variant, extra):
     trainer = Trainer(build(TrainConfig, dict(SMALL, tasks=task_file, output_dir=str(tmp_path / variant), steps=1, variant=variant, **extra)))
     metrics = trainer.train_step()
     trainer.logger.close()
-    real_calls = metrics["env/real_calls_step"]
-    assert trainer.cfg.rollout_mode == {"real-grpo": "real", "simulator": "simulator"}.get(variant, "rehearse")
-    if variant not in ("real-grpo", "envace"):
-        assert real_calls == 0  # only real rollouts (real-grpo, or envace's real_fraction) touch the world
-    assert set(trainer.models.trained()) == ({"policy", "rehearser"} if variant == "no-share" else {"policy"})
+    assert trainer.variant.rollout_mode == {"real-grpo": "real", "simulator": "simulator"}.get(variant, "rehearse")
+    if variant != "real-grpo":
+        assert metrics["env/real_calls_step"] == 0  # only real rollouts touch the world
+    assert set(trainer.models.trained) == ({"policy", "rehearser"} if variant == "no-share" else {"policy"})
     assert (trainer.models.simulator is not None) == (variant == "simulator")
+
+
+def test_real_fraction_rolls_out_that_share_of_the_step_tasks_in_real_mode(tmp_path, task_file):
+    """envace with real_fraction 0.5 over 4 tasks: 2 tasks' groups real, 2 rehearsed without a real call."""
+    trainer = Trainer(build(TrainConfig, dict(SMALL, tasks=task_file, output_dir=str(tmp_path / "run"), steps=1, tasks_per_step=4, real_fraction=0.5)))
+    groups = []
+    rollout = trainer.rollout
+
+    def recording_rollout(tasks):
+        groups.extend(rollout(tasks))
+        return groups
+
+    trainer.rollout = recording_rollout
+    trainer.train_step()
+    trainer.logger.close()
+    assert len({g[0].task_id for g in groups}) == 4
+    assert [[t.mode for t in g] for g in groups] == [["real"] * 2] * 2 + [["rehearse"] * 2] * 2
+    assert all(t.real_env_calls == 0 for g in groups[2:] for t in g)
 
 
 def test_counted_metrics_are_summed_over_processes_the_rest_averaged():
@@ -250,4 +299,102 @@ def test_counted_metrics_are_summed_over_processes_the_rest_averaged():
 
 def test_on_malformed_reaches_the_rollout_config(task_file):
     cfg = build(TrainConfig, dict(SMALL, tasks=task_file, on_malformed="continue"))
-    assert cfg.rollout_config("rehearse").on_malformed == "continue" and cfg.rollout_config("real").on_malformed == "continue"
+    assert cfg.rollout.on_malformed == "continue"
+
+
+# ---- validation before any model loads, sampling, seeds (issue #10 C, D, E) -----------------
+
+@pytest.mark.parametrize("values,option", [
+    ({"dual_clip": 0.5}, "dual_clip"), ({"dual_clip": 1.0}, "dual_clip"),
+    ({"clip_eps": 0.0}, "clip_eps"), ({"clip_eps": 1.0}, "clip_eps"),
+    ({"kl_coef": -0.1}, "kl_coef"),
+    ({"lr": 0.0}, "lr"), ({"micro_batch_tokens": 0}, "micro_batch_tokens"), ({"grad_clip": 0.0}, "grad_clip"),
+    ({"lora_r": -1}, "lora_r"), ({"lora_alpha": 0}, "lora_alpha"), ({"warmup_steps": -1}, "warmup_steps"),
+    ({"weight_decay": -0.1}, "weight_decay"), ({"seed": -1}, "seed"), ({"save_every": 0}, "save_every"), ({"keep_last": 0}, "keep_last"),
+    ({"steps": 0}, "steps"), ({"tasks_per_step": 0}, "tasks_per_step"), ({"n_per_world": 0}, "n_per_world"),
+    ({"difficulty": 4}, "difficulty"), ({"samples_per_step": -1}, "samples_per_step"),
+    ({"max_turns": 0}, "max_turns"), ({"max_turn_tokens": 0}, "max_turn_tokens"), ({"max_rehearse_tokens": 0}, "max_rehearse_tokens"),
+    ({"max_total_tokens": 0}, "max_total_tokens"), ({"max_active": -1}, "max_active"),
+    ({"advantage": "nope"}, "advantage"), ({"init_from": "/no/such/dir"}, "--init-from"),
+    ({"simulator_model": "default"}, "--simulator-model"),  # read by --variant simulator only
+])
+def test_train_config_rejects_each_bad_option_by_name(values, option):
+    with pytest.raises(ConfigError, match=re.escape(option)):
+        build(TrainConfig, values)
+
+
+def test_a_missing_simulator_model_fails_before_training():
+    from envace.backends.models import ModelNotFoundError
+
+    with pytest.raises(ModelNotFoundError, match="/no/such/model"):
+        build(TrainConfig, {"variant": "simulator", "simulator_model": "/no/such/model"})
+
+
+def test_reward_judge_is_rejected_with_what_to_use_instead():
+    with pytest.raises(ConfigError, match="no judge model yet.*replay.*reference.*module:function"):
+        build(TrainConfig, {"reward": "judge"})
+
+
+@pytest.mark.parametrize("values", [{"temperature": 0.7}, {"top_p": 0.9}, {"rollout": {"temperature": 0.0}}])
+def test_training_samples_only_where_the_ppo_ratio_is_exact(values):
+    """Recorded and recomputed logprobs are at T=1 over the full vocabulary (backends/hf.py):
+    tempered or nucleus sampling would make the PPO ratio wrong, so it is refused."""
+    with pytest.raises(ConfigError, match="temperature 1 and top_p 1.*only exact there"):
+        build(TrainConfig, values)
+
+
+def test_variant_choices_come_from_the_registry():
+    with pytest.raises(ConfigError, match="variant='bogus' is not one of") as err:
+        build(TrainConfig, {"variant": "bogus"})
+    assert all(name in str(err.value) for name in VARIANTS.names())
+    assert set(VARIANTS.names()) == {"envace", "real-grpo", "simulator", "no-share", "act-only"}
+
+
+@pytest.mark.parametrize("values,option", [
+    ({"epochs": 0}, "epochs"), ({"rows_per_step": 0}, "rows_per_step"), ({"n_per_world": 0}, "n_per_world"),
+    ({"max_total_tokens": 0}, "max_total_tokens"), ({"difficulty": 0}, "difficulty"), ({"lr": -1.0}, "lr"),
+])
+def test_sft_config_rejects_each_bad_option_by_name(values, option):
+    with pytest.raises(ConfigError, match=re.escape(option)):
+        build(SFTConfig, values)
+
+
+@pytest.mark.parametrize("values,option", [
+    ({"max_turns": 0}, "max_turns"), ({"top_p": 0.0}, "top_p"), ({"temperature": -1.0}, "temperature"), ({"max_active": -1}, "max_active"),
+    ({"n": 0}, "n must"), ({"memory_tokens": 0}, "memory_tokens"), ({"guard_horizon": -1}, "guard_horizon"),
+    ({"simulator": "default"}, "--simulator is read by --mode simulator"), ({"rehearser": "default"}, "--rehearser is read by --rehearsal"),
+])
+def test_eval_config_rejects_each_bad_option_by_name(values, option):
+    from envace.evaluation.runner import EvalConfig
+
+    with pytest.raises(ConfigError, match=re.escape(option)):
+        build(EvalConfig, values)
+
+
+def test_sampling_seeds_are_distinct_for_every_generator_process_and_step():
+    from envace.training.trainer import SEED_STREAMS, sampling_seed
+
+    seeds = [sampling_seed(0, step, process, stream) for step in range(100) for process in range(128) for stream in SEED_STREAMS]
+    assert len(set(seeds)) == len(seeds) == 100 * 128 * len(SEED_STREAMS)
+
+
+def test_a_resumed_run_samples_with_the_seeds_of_the_uninterrupted_run(tmp_path, task_file, monkeypatch):
+    """envace with real_fraction rolls out a real and a rehearse batch per step: each generator
+    gets its own seed, and a resumed run's step 2 gets the seeds the uninterrupted run's had."""
+    import envace.backends.hf as hf
+
+    seeds = []
+
+    class Recording(hf.HFGenerator):
+        def __init__(self, *args, seed=0, **kwargs):
+            seeds.append(seed)
+            super().__init__(*args, seed=seed, **kwargs)
+
+    monkeypatch.setattr(hf, "HFGenerator", Recording)
+    run = dict(SMALL, tasks=task_file, real_fraction=0.5)
+    Trainer(build(TrainConfig, dict(run, output_dir=str(tmp_path / "full")))).fit()
+    full, seeds[:] = list(seeds), []
+    Trainer(build(TrainConfig, dict(run, output_dir=str(tmp_path / "part"), steps=1))).fit()
+    Trainer(build(TrainConfig, dict(run, output_dir=str(tmp_path / "part"), resume=True))).fit()
+    assert len(full) == 4 and len(set(full)) == 4  # 2 steps x (real, rehearse) policy generators
+    assert seeds == full

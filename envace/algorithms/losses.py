@@ -23,16 +23,6 @@ from envace.types import SAMPLED_ROLES, Role, Trajectory
 
 Layout = Literal["transcript", "isolated"]
 
-# Which roles each training variant updates, per model. `no-share` trains two models: the
-# agent on ACT rows and a separate rehearser on REHEARSE rows.
-TRAINED_ROLES: dict[str, dict[str, tuple[Role, ...]]] = {
-    "envace": {"policy": (Role.ACT, Role.REHEARSE)},
-    "act-only": {"policy": (Role.ACT,)},
-    "real-grpo": {"policy": (Role.ACT,)},  # real tool responses are tagged ENV, never trained
-    "simulator": {"policy": (Role.ACT,)},  # external simulator responses are ENV too
-    "no-share": {"policy": (Role.ACT,), "rehearser": (Role.REHEARSE,)},
-}
-
 MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: keeps the ratio finite when a token's logprob collapses
 
 

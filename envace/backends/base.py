@@ -7,7 +7,7 @@ rollout feeds only the tokens appended since its previous call, never the whole 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, Sequence, Union, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -17,6 +17,21 @@ class SamplingParams:
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()  # generation ends once the decoded output ends with one of these
+
+
+# One SamplingParams for every session of a call, or one per session (e.g. each rollout's own
+# remaining token budget).
+ParamsArg = Union[SamplingParams, Sequence[SamplingParams]]
+
+
+def per_session(params: ParamsArg, n: int) -> list[SamplingParams]:
+    """The params of each of `n` sessions."""
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"{n} sessions but {len(params)} SamplingParams")
+    return params
 
 
 @dataclass
@@ -43,7 +58,8 @@ class Generator(Protocol):
     `generate(sessions, new_tokens, params)`: new_tokens[i] are the tokens appended to session
     i's sequence since its previous call (the whole prompt on the first call). A session's full
     sequence is the concatenation of everything fed and everything returned to it, in order.
-    All listed sessions advance together as one batch.
+    All listed sessions advance together as one batch. `params` is shared, or one per session:
+    each session stops at its own `max_new_tokens` and stop tokens/strings (`per_session`).
     """
 
     tokenizer: Any
@@ -51,6 +67,6 @@ class Generator(Protocol):
 
     def open(self, n: int) -> list[int]: ...
 
-    def generate(self, sessions: list[int], new_tokens: list[list[int]], params: SamplingParams) -> list[Completion]: ...
+    def generate(self, sessions: list[int], new_tokens: list[list[int]], params: ParamsArg) -> list[Completion]: ...
 
     def close(self, sessions: list[int]) -> None: ...

@@ -45,7 +45,7 @@ from typing import Any, Iterator
 import torch
 from transformers import DynamicCache
 
-from envace.backends.base import Completion, GenStats, SamplingParams
+from envace.backends.base import Completion, GenStats, ParamsArg, SamplingParams, per_session
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [batch, kv_heads, seq, head_dim]
 
@@ -207,7 +207,8 @@ class HFGenerator:
         """KV positions held across open sessions (per layer); 0 once all are closed."""
         return sum(s.cached for s in self._sessions.values())
 
-    def generate(self, sessions: list[int], new_tokens: list[list[int]], params: SamplingParams) -> list[Completion]:
+    def generate(self, sessions: list[int], new_tokens: list[list[int]], params: ParamsArg) -> list[Completion]:
+        params = per_session(params, len(sessions))
         states = self._validate(sessions, new_tokens, params)
         before = [len(s.tokens) for s in states]
         start = time.perf_counter()
@@ -218,7 +219,7 @@ class HFGenerator:
                 step = self.max_batch or max(1, len(states))
                 completions = []
                 for lo in range(0, len(states), step):
-                    completions += self._generate_batch(states[lo:lo + step], new_tokens[lo:lo + step], params)
+                    completions += self._generate_batch(states[lo:lo + step], new_tokens[lo:lo + step], params[lo:lo + step])
         except BaseException:
             # Leave every session as before the call; its prefix is simply re-encoded next time.
             for s, n in zip(states, before):
@@ -231,13 +232,16 @@ class HFGenerator:
         self.stats.seconds += time.perf_counter() - start
         return completions
 
-    def _validate(self, sessions: list[int], new_tokens: list[list[int]], params: SamplingParams) -> list[_Session]:
+    def _validate(self, sessions: list[int], new_tokens: list[list[int]], params: list[SamplingParams]) -> list[_Session]:
         if len(sessions) != len(new_tokens):
             raise ValueError(f"{len(sessions)} sessions but {len(new_tokens)} token lists")
         if len(set(sessions)) != len(sessions):
             raise ValueError("a session may appear only once per generate call")
-        if params.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
+        if any(p.max_new_tokens < 1 for p in params):
+            raise ValueError(f"max_new_tokens must be >= 1, got {min(p.max_new_tokens for p in params)}")
+        # One sampling distribution per batch: the rows share one softmax(logits / T) and nucleus.
+        if len({(p.temperature, p.top_p) for p in params}) > 1:
+            raise ValueError("the sessions of one generate call must share temperature and top_p (limits and stops may differ)")
         unknown = [i for i in sessions if i not in self._sessions]
         if unknown:
             raise KeyError(f"sessions {unknown} are not open")
@@ -272,7 +276,7 @@ class HFGenerator:
                 chunks[i] = [key[-1]]
         return chunks
 
-    def _generate_batch(self, states: list[_Session], new_tokens: list[list[int]], params: SamplingParams) -> list[Completion]:
+    def _generate_batch(self, states: list[_Session], new_tokens: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
         chunks = [s.tokens[s.cached:] + list(new) for s, new in zip(states, new_tokens)]
         chunks = self._share_prompts(states, chunks)
         batch = _Batch(chunks, [s.kv for s in states], self.pad_id, self.device)
@@ -286,12 +290,12 @@ class HFGenerator:
         reasons: list[str] = [""] * len(states)
         active = list(range(len(states)))  # batch row -> index into states
         while True:
-            tokens, lps = sample(logits, params, self.generator)
+            tokens, lps = sample(logits, params[0], self.generator)
             keep = []
             for row, (i, tok, lp) in enumerate(zip(active, tokens.tolist(), lps.tolist())):
                 outputs[i].append(tok)
                 logprobs[i].append(lp)
-                reason = finish_reason(outputs[i], params, self.tokenizer)
+                reason = finish_reason(outputs[i], params[i], self.tokenizer)
                 if reason:
                     reasons[i] = reason
                     states[i].kv = batch.row_kv(row)

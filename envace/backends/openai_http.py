@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from envace.backends.base import Completion, GenStats, SamplingParams
+from envace.backends.base import Completion, GenStats, ParamsArg, SamplingParams, per_session
 from envace.backends.models import ModelNotFoundError
 
 TOKEN_ID = re.compile(r"^token_id:(\d+)$")
@@ -84,7 +84,7 @@ class OpenAIGenerator:
         for i in sessions:
             self._sessions.pop(i, None)
 
-    def generate(self, sessions: list[int], new_tokens: list[list[int]], params: SamplingParams) -> list[Completion]:
+    def generate(self, sessions: list[int], new_tokens: list[list[int]], params: ParamsArg) -> list[Completion]:
         if len(sessions) != len(new_tokens):
             raise ValueError(f"{len(sessions)} sessions but {len(new_tokens)} token lists")
         if len(set(sessions)) != len(sessions):
@@ -98,7 +98,7 @@ class OpenAIGenerator:
         prompts = [self._sessions[i] + list(new) for i, new in zip(sessions, new_tokens)]
         workers = max(1, min(self.max_concurrency, len(prompts)))
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            completions = list(pool.map(lambda p: self._complete(p, params), prompts))
+            completions = list(pool.map(self._complete, prompts, per_session(params, len(prompts))))
         for i, prompt, completion in zip(sessions, prompts, completions):
             self._sessions[i] = prompt + completion.token_ids
         self.stats.prefill_tokens += sum(len(p) for p in prompts)

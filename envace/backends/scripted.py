@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Callable
 
-from envace.backends.base import Completion, GenStats, SamplingParams
+from envace.backends.base import Completion, GenStats, ParamsArg, per_session
 
 # reply(session_text) -> the text the "model" writes next (its end marker is appended if missing)
 Reply = Callable[[str], str]
@@ -30,10 +30,10 @@ class ScriptedGenerator:
         for s in sessions:
             self.sequences.pop(s, None)
 
-    def generate(self, sessions: list[int], new_tokens: list[list[int]], params: SamplingParams) -> list[Completion]:
+    def generate(self, sessions: list[int], new_tokens: list[list[int]], params: ParamsArg) -> list[Completion]:
         self.stats.calls += 1
         outs = []
-        for s, new in zip(sessions, new_tokens):
+        for s, new, params in zip(sessions, new_tokens, per_session(params, len(sessions))):
             seq = self.sequences[s]
             seq.extend(new)
             self.stats.prefill_tokens += len(new)

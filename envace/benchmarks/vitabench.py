@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 from envace.benchmarks.base import BENCHMARKS, Benchmark, ChatFn, assistant_texts, completed, openai_chat, requirements
 from envace.envs.base import ToolError, ToolWorld, tool
-from envace.types import Task, ToolCall, Trajectory
+from envace.types import EpisodeRules, Task, ToolCall, Trajectory
 
 PIP = "pip install --no-deps holidays==0.109 rapidfuzz==3.14.6"
 DATA_ENV = "ENVACE_VITABENCH_DIR"
@@ -782,8 +782,9 @@ def to_task(raw: dict[str, Any], domain: str) -> Task:
         id=f"vitabench-{domain}-{raw['id']}", world=VitaBench.name, split="test",
         messages=[{"role": "system", "content": AGENT_PROMPT.format(time=env["time"], stop=STOP)}, {"role": "assistant", "content": GREETING}],
         initial_state={**env, "id_prefix": str(raw["id"])}, tools=world.tool_schemas(),
+        rules=EpisodeRules(simulated_user=True),
         metadata={
-            "benchmark": VitaBench.name, "category": domain, "vita_id": raw["id"], "needs_user_simulator": True, "time": env["time"],
+            "benchmark": VitaBench.name, "category": domain, "vita_id": raw["id"], "time": env["time"],
             "user_scenario": raw.get("user_scenario", {}), "instructions": raw.get("instructions", ""),
             # Every expected state of the public tasks lists the same orders: the last is the final state.
             "required_orders": states[-1].get("required_orders", []), "rubrics": _rubrics(raw["evaluation_criteria"]),

@@ -2,13 +2,15 @@
 
 A `ToolWorld` holds JSON-serialisable state, exposes tools as methods decorated with `@tool`
 (OpenAI function schemas), validates every call against its schema, and turns any bad call
-into the error a real service would return: the rollout never crashes on a tool call.
+into the error a real service would return: the rollout never crashes on a tool call. A tool
+that raises something other than `ToolError` (a bug) answers `TOOL_EXCEPTION` and is logged.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import logging
 import random
 import re
 from typing import Any, Callable, ClassVar
@@ -19,6 +21,11 @@ from envace.registry import Registry
 from envace.types import Task, ToolCall
 
 WORLDS: Registry[type["ToolWorld"]] = Registry("environment")
+
+logger = logging.getLogger(__name__)
+
+# The error code of a tool that raised an unexpected exception (metrics count them by this code).
+TOOL_EXCEPTION = "TOOL_EXCEPTION"
 
 
 class ToolError(Exception):
@@ -64,14 +71,20 @@ class ToolWorld:
     description: ClassVar[str] = ""
     # Tools whose effect cannot be undone (checked by the pre-commit rehearsal guard).
     irreversible_tools: ClassVar[frozenset[str]] = frozenset()
+    # False for worlds that answer calls without running them: replaying calls there verifies nothing.
+    executable: ClassVar[bool] = True
 
     def __init__(self, state: dict[str, Any] | None = None):
         self.state: dict[str, Any] = {}
+        # Calls whose tool raised an unexpected exception (answered TOOL_EXCEPTION) in this world's life.
+        self.tool_exceptions = 0
         self.reset(state)
 
     # ---- state -------------------------------------------------------------------------
     def reset(self, state: dict[str, Any] | None = None) -> None:
-        self.state = copy.deepcopy(state) if state is not None else self.default_state()
+        """Start from `state`; None or an empty mapping means `default_state()`. Tasks that give no
+        `initial_state` hold `{}` (the Task default), and they mean the world's default, not nothing."""
+        self.state = copy.deepcopy(state) if state else self.default_state()
 
     def default_state(self) -> dict[str, Any]:
         return {}
@@ -117,10 +130,21 @@ class ToolWorld:
             return error("INVALID_ARGUMENTS", f"{where}: {problem.message}")
         try:
             result = getattr(self, name)(**arguments)
+            # Round-trip through JSON so observations are exactly what a service would send (a
+            # result JSON cannot encode is a tool bug too, so it is inside the guard).
+            return json.loads(json.dumps(result if isinstance(result, dict) else {"result": result}))
         except ToolError as exc:
             return error(exc.code, exc.message)
-        # Round-trip through JSON so observations are exactly what a service would send.
-        return json.loads(json.dumps(result if isinstance(result, dict) else {"result": result}))
+        except Exception as exc:  # a bug in the tool must not end the rollout or the replay reward
+            return self.tool_exception(name, exc)
+
+    def tool_exception(self, name: str, exc: Exception) -> dict[str, Any]:
+        """The observation for a tool `name` that raised `exc` unexpectedly: a TOOL_EXCEPTION error.
+        Logs the traceback once and counts it in `tool_exceptions`. Worlds that override `call`
+        use it for whatever their own execution did not expect."""
+        self.tool_exceptions += 1
+        logger.warning("tool %r of world %s raised %s", name, type(self).__name__, type(exc).__name__, exc_info=exc)
+        return error(TOOL_EXCEPTION, f"{name} raised {type(exc).__name__}: {exc}")
 
     def execute(self, call: ToolCall) -> dict[str, Any]:
         return self.call(call.name, call.arguments)

@@ -9,7 +9,8 @@ from envace.types import Task
 
 
 class WorldEnvironment:
-    """Builds a fresh world from the task's initial state; documentation comes from the world class."""
+    """Builds a fresh world from the task's initial state (an empty one: the world's default);
+    documentation comes from the world class."""
 
     def world_class(self, task: Task) -> type[ToolWorld]:
         return WORLDS.get(task.world)

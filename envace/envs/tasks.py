@@ -17,7 +17,7 @@ from typing import Any, Iterable, NoReturn
 from envace.config import ConfigError
 from envace.envs import HELDOUT_WORLDS, TRAIN_WORLDS, get_world
 from envace.registry import RegistryError
-from envace.types import Task
+from envace.types import EpisodeRules, Task
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Task))
 REQUIRED = {
@@ -28,7 +28,7 @@ REQUIRED = {
 TYPES: dict[str, tuple[type, ...]] = {
     "id": (str,), "world": (str,), "messages": (list,), "user_turns": (list,), "initial_state": (dict,),
     "success": (dict,), "reference_calls": (list,), "checklist": (list,), "tools": (list, type(None)),
-    "split": (str,), "difficulty": (int,), "hidden_state": (bool,), "metadata": (dict,),
+    "split": (str,), "difficulty": (int,), "hidden_state": (bool,), "rules": (dict,), "metadata": (dict,),
 }
 JSON_TYPES = {str: "string", list: "array", dict: "object", int: "integer", bool: "boolean", type(None): "null"}
 ROLES = ("system", "user", "assistant", "tool")
@@ -124,7 +124,16 @@ def task_from_dict(data: Any, where: str = "<task>") -> Task:
     data = copy.deepcopy(data)  # a private copy: later edits never alias the caller's dict
     for call in data.get("reference_calls", []):
         call.setdefault("arguments", {})
+    if "rules" in data:
+        data["rules"] = _rules(where, data["rules"])
     return Task(**data)
+
+
+def _rules(where: str, rules: dict[str, Any]) -> EpisodeRules:
+    try:
+        return EpisodeRules.from_dict(rules)
+    except (ValueError, TypeError, KeyError) as exc:
+        _fail(where, "rules", str(exc), 'write e.g. {"max_steps_per_turn": 20, "stop_tools": ["done"]} (docs/benchmarks.md)')
 
 
 def _check_messages(where: str, messages: list[Any], field: str = "messages", only_user: bool = False) -> None:

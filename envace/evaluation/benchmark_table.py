@@ -48,7 +48,7 @@ def benchmark_table(cfg: Any, plans: list[Any], summaries: dict[str, dict[str, A
     columns = {label: cell(plan[name], summaries.get(name), cfg.limit) for name, label in COLUMNS}
     columns[OVERALL] = overall_cell(list(columns.values()))
     columns.update({label: cell(plan[name], summaries[name], cfg.limit) for name, label in EXTRA_COLUMNS if name in summaries})
-    return {"model": cfg.model, "mode": cfg.mode, "rehearsal": cfg.rehearsal, "limit": cfg.limit, "columns": columns}
+    return {"model": cfg.model, "mode": cfg.rollout.mode, "rehearsal": cfg.rehearsal, "limit": cfg.limit, "columns": columns}
 
 
 def _text(c: dict[str, Any]) -> str:

@@ -20,7 +20,10 @@ COLUMNS = [
     ("tokens_per_task", "tokens/task", "{:.0f}"),
     ("seconds_per_task", "s/task", "{:.1f}"),
     ("real_env_calls", "real calls", "{:d}"),
+    # Executions on a fresh world after the rollout (the replay reward, fidelity's reference).
+    ("verification_calls", "verify calls", "{:d}"),
     ("malformed", "malformed", "{:d}"),
+    ("tool_exceptions", "tool exceptions", "{:d}"),
 ]
 
 
@@ -127,7 +130,7 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
 
 def pooled_success(summary: dict[str, Any], worlds: set[str] | None) -> str:
     """Success over the tasks of some worlds (None = all) of an eval summary, with its 95% CI."""
-    from envace.evaluation.metrics import wilson_interval
+    from envace.metrics import wilson_interval
 
     parts = [s for w, s in summary["by_world"].items() if worlds is None or w in worlds]
     n = sum(s["n"] for s in parts)

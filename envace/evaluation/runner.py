@@ -17,16 +17,22 @@ from typing import Any, Iterator, Literal
 from envace import config as cfgmod
 from envace.benchmarks import BENCHMARKS, Benchmark, BenchmarkDependencyError
 from envace.config import ConfigError, field
-from envace.evaluation.metrics import summarize_by, summarize_records, trajectory_record
 from envace.evaluation.report import print_summary, write_summary
+from envace.metrics import summarize_by, summarize_records, trajectory_record
 from envace.rewards import REWARDS, Context, compute_rewards
-from envace.rollout import RolloutConfig, RolloutEngine, rollout_config_from
+from envace.rollout import RolloutConfig, RolloutEngine
 from envace.types import Task, Trajectory
 
 # What `--benchmark all` runs, in the order of the paper's table.
 ALL_BENCHMARKS = ("bfcl", "tau2", "vitabench", "finmcp")
 # The constructor keyword of the adapters that read user-supplied data (--data-dir).
 DATA_ARGUMENT = {"finmcp": "data_path", "vitabench": "data_dir"}
+
+
+def eval_rollout() -> RolloutConfig:
+    """Evaluation's rollout defaults: mildly tempered nucleus sampling, and at most 64 rollouts in
+    flight so that a large task set fits in memory."""
+    return RolloutConfig(temperature=0.6, top_p=0.95, max_active=64)
 
 
 @dataclass
@@ -46,8 +52,7 @@ class EvalConfig:
     n_per_world: int = field(4, help="built-in tasks per world")
     difficulty: int | None = field(None, help="built-in task difficulty 1-3 (default: mixed)")
     limit: int | None = field(None, help="evaluate at most this many tasks (per category with --benchmark)")
-    mode: Literal["real", "rehearse", "simulator"] = field("real", help="who answers tool calls")
-    rehearse_layout: Literal["transcript", "isolated"] = field("transcript", help="rehearse in the agent's transcript or from a separate simulator prompt")
+    rollout: RolloutConfig = field(default_factory=eval_rollout, help="how each task rolls out")
     simulator: str | None = field(None, help="frozen simulator model for --mode simulator")
     rehearsal: Literal["none", "parallel", "sequential"] = field("none", help="test-time private rehearsal before the committed real run")
     n: int = field(2, help="rehearsal attempts per task")
@@ -58,21 +63,13 @@ class EvalConfig:
     reward: str | None = field(None, help="reward: replay | reference | judge | benchmark | module:function (default: benchmark with --benchmark, else replay)")
     judge: str | None = field(None, help="judge model (local spec or URL): for the 'judge' reward, and for the rubric score of benchmarks judged by an LLM (VitaBench)")
     k: int = field(1, help="samples per task")
-    temperature: float = field(0.6, help="sampling temperature (0 = greedy)")
-    top_p: float = field(0.95, help="nucleus sampling")
-    max_turns: int = field(8, help="ACT turns per task (tasks with their own limit per user turn, e.g. BFCL multi-turn's 20, use theirs)")
-    max_turn_tokens: int = field(192, help="tokens per ACT turn")
-    max_rehearse_tokens: int = field(160, help="tokens per rehearsed tool response")
-    max_total_tokens: int = field(3072, help="tokens per trajectory, prompt included")
-    accept_fenced_json: bool = field(False, help="also parse ```json tool calls (lenient)")
-    on_malformed: Literal["end", "continue"] = field("end", help="after a malformed tool call/rehearsal: end the rollout, or show the error and go on")
-    max_active: int | None = field(64, help="rollouts in flight at once (each holds a world and a KV cache): bounds memory on large task sets; 0 = all at once")
     seed: int = field(0, help="random seed (task generation and sampling)")
     output_dir: str | None = field(None, help="where to write results (default runs/eval-<time>, with --benchmark runs/bench-<time>)")
     progress: bool = field(True, help="show progress bars")
     allow_train_overlap: bool = field(False, help="evaluate even on tasks the checkpoint was trained on (flagged in the summary)")
 
     def validate(self) -> None:
+        self.rollout.validate()
         sources = [s for s in (self.tasks, self.benchmark) if s]
         if len(sources) > 1:
             raise ConfigError("give either --tasks or --benchmark, not both")
@@ -80,8 +77,9 @@ class EvalConfig:
             raise ConfigError(f"task file {self.tasks} does not exist")
         if self.split not in ("train", "val", "test", "heldout"):
             raise ConfigError(f"split {self.split!r} must be train, val, test or heldout")
-        if self.mode == "simulator" and not self.simulator:
-            raise ConfigError("--mode simulator needs --simulator MODEL (the frozen simulator)")
+        if (self.rollout.mode == "simulator") != bool(self.simulator):
+            raise ConfigError("--mode simulator needs --simulator MODEL (the frozen simulator)" if self.simulator is None else
+                              f"--simulator is read by --mode simulator only; drop it for --mode {self.rollout.mode}")
         if self.reward_name == "judge" and not self.judge:
             raise ConfigError("--reward judge needs --judge MODEL")
         if self.reward_name not in REWARDS and ":" not in self.reward_name:
@@ -91,22 +89,20 @@ class EvalConfig:
         if self.judge and self.reward_name != "judge" and self.benchmark not in (*judged, "all"):
             raise ConfigError(f"--judge is read by --reward judge and by the LLM-judged benchmarks ({', '.join(judged)}, or all); "
                               f"here it would be unused: add --reward judge or drop --judge")
-        if self.max_active is not None and self.max_active < 0:
-            raise ConfigError(f"max_active must be >= 1, or 0 for all at once, got {self.max_active}")
-        for name, value in (("k", self.k), ("n_per_world", self.n_per_world), ("max_turns", self.max_turns), ("max_turn_tokens", self.max_turn_tokens)):
-            if value < 1:
-                raise ConfigError(f"{name} must be >= 1, got {value}")
+        for name in ("k", "n_per_world", "n", "memory_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.guard_horizon < 0:
+            raise ConfigError(f"guard_horizon must be >= 0, got {self.guard_horizon}")
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"limit must be >= 1, got {self.limit}")
         if self.difficulty is not None and self.difficulty not in (1, 2, 3):
             raise ConfigError(f"difficulty must be 1, 2 or 3, got {self.difficulty}")
-        if not 0 < self.top_p <= 1 or self.temperature < 0:
-            raise ConfigError("temperature must be >= 0 and top_p in (0, 1]")
-        if self.rehearsal != "none" and self.mode != "real":
+        if self.rehearsal != "none" and self.rollout.mode != "real":
             raise ConfigError("--rehearsal rehearses privately, then commits in the real world: use it with --mode real")
-        if self.n < 1 or self.memory_tokens < 1 or self.guard_horizon < 0:
-            raise ConfigError("n and memory_tokens must be >= 1 and guard_horizon >= 0")
-        if self.guard is not None and self.mode != "real":
+        if self.rehearser and self.rehearsal == "none":
+            raise ConfigError("--rehearser is read by --rehearsal parallel | sequential only; add --rehearsal or drop --rehearser")
+        if self.guard is not None and self.rollout.mode != "real":
             raise ConfigError("--guard protects real irreversible calls: use it with --mode real")
         check_models(self.model, self.simulator, self.judge, self.tokenizer, self.rehearser, self.user_model)
 
@@ -126,9 +122,6 @@ class EvalConfig:
     @property
     def reward_name(self) -> str:
         return self.reward or ("benchmark" if self.benchmark else "replay")
-
-    def rollout_config(self) -> RolloutConfig:
-        return rollout_config_from(self)
 
 
 def load_eval_tasks(cfg: EvalConfig) -> list[Task]:
@@ -159,12 +152,16 @@ def trajectory_json(traj: Trajectory, tokenizer: Any | None = None) -> dict[str,
         "mode": traj.mode,
         "group": traj.group,
         "messages": traj.messages,
-        "tool_calls": [c.to_dict() | {"user_turn": c.user_turn} for c in traj.tool_calls],
+        "tool_calls": [c.to_dict() | {"user_turn": c.user_turn, "status": c.status.value} for c in traj.tool_calls],
         "observations": traj.observations,
         "final_answer": traj.final_answer,
         "end_reason": traj.end_reason.value if traj.end_reason else None,
+        "end_error": traj.end_error,
+        "user_source": traj.user_source,
         "reward": traj.reward,
         "reward_details": traj.reward_details,
+        "real_observations": traj.real_observations,
+        "benchmark_record": traj.benchmark_record,
         "penalties": traj.penalties,
         "real_env_calls": traj.real_env_calls,
         "seconds": round(traj.seconds, 3),
@@ -217,7 +214,7 @@ def evaluate_with_rehearsal(cfg: EvalConfig, policy: Any, env: Any, tasks: list[
     if cfg.k != 1:
         raise ConfigError("--rehearsal commits one execution per task: use --k 1")
     rehearser = open_generator(cfg.rehearser, cfg.seed) if cfg.rehearser else None
-    config = RehearsalConfig(mode=cfg.rehearsal, n=cfg.n, execution=cfg.rollout_config(), memory_tokens=cfg.memory_tokens)
+    config = RehearsalConfig(mode=cfg.rehearsal, n=cfg.n, execution=cfg.rollout, memory_tokens=cfg.memory_tokens)
     groups, cost = run_with_rehearsal(policy, env, tasks, config, rehearser=rehearser, progress=cfg.progress, guard=guard)
     compute_rewards(cfg.reward_name, groups, tasks, ctx)
     records = [trajectory_record(task, traj) for task, group in zip(tasks, groups) for traj in group]
@@ -226,7 +223,7 @@ def evaluate_with_rehearsal(cfg: EvalConfig, policy: Any, env: Any, tasks: list[
 
 def check_leakage(model: str, tasks: list[Task], allow: bool) -> list[str]:
     """Refuse to evaluate a checkpoint on tasks its data manifest says it was trained on."""
-    from envace.training.manifest import overlap
+    from envace.manifest import overlap
 
     if is_url(model) or not Path(model).is_dir():
         return []
@@ -255,7 +252,7 @@ def run_tasks(cfg: EvalConfig, policy: Any, env: Any, tasks: list[Task], simulat
     ctx = Context(env=env, judge=judge)
     guard = make_guard(cfg, policy, env)
     if cfg.rehearsal == "none":
-        engine = RolloutEngine(policy, env, cfg.rollout_config(), simulator=simulator, guard=guard)
+        engine = RolloutEngine(policy, env, cfg.rollout, simulator=simulator, guard=guard)
         groups, records = evaluate(engine, tasks, cfg.reward_name, ctx, cfg.k, cfg.progress, desc)
         return Outcome(groups, records, time.perf_counter() - started)
     groups, records, cost = evaluate_with_rehearsal(cfg, policy, env, tasks, ctx, guard)
@@ -287,7 +284,7 @@ def run_prerequisites(cfg: EvalConfig, policy: Any, bench: Benchmark, tasks: lis
     if not setup:
         return None
     started = time.perf_counter()
-    engine = RolloutEngine(policy, bench, rollout_config_from(cfg, mode="real"))
+    engine = RolloutEngine(policy, bench, dataclasses.replace(cfg.rollout, mode="real"))
     waves = dependency_waves(setup)
     groups = [g for i, wave in enumerate(waves) for g in engine.run(wave, progress=cfg.progress, desc=f"{desc} prerequisites {i + 1}/{len(waves)}")]
     records = [trajectory_record(t, traj) for t, group in zip([t for w in waves for t in w], groups) for traj in group]
@@ -298,7 +295,7 @@ def summarize_outcome(cfg: EvalConfig, outcome: Outcome, source: str, by: str, l
     groups, records, wall = outcome.groups, outcome.records, outcome.wall
     return {
         "model": cfg.model,
-        "mode": cfg.mode,
+        "mode": cfg.rollout.mode,
         "source": source,
         "overall": summarize_records(records, wall),
         f"by_{by}": summarize_by(records, by, wall),
@@ -362,13 +359,15 @@ def _benchmark(name: str, cfg: EvalConfig, within_all: bool) -> Benchmark:
 
 
 def _cannot_run(tasks: list[Task], cfg: EvalConfig) -> str | None:
-    """Why tasks that need a service or the real world cannot run with this configuration."""
-    meta = [t.metadata for t in tasks]
-    if any(m.get("needs_user_simulator") for m in meta) and not cfg.user_model:
+    """Why tasks that need a service cannot run with this configuration. Off real mode (and in
+    private rehearsals) the rehearsing model imagines the user, so only real runs need one."""
+    if any(t.rules.simulated_user for t in tasks) and _real_user_needed(cfg) and not cfg.user_model:
         return "needs a simulated user (an LLM): pass --user-model URL or a local model spec"
-    if any(m.get("user_uses_world") for m in meta) and (cfg.mode != "real" or cfg.rehearsal != "none"):
-        return "the simulated user acts on the real world (their phone): only --mode real without --rehearsal"
     return None
+
+
+def _real_user_needed(cfg: EvalConfig) -> bool:
+    return cfg.rollout.mode == "real"
 
 
 def _selections(name: str, bench: Benchmark, cfg: EvalConfig, strict: bool, skipped: dict[str, str]) -> list[tuple[str, list[str] | None]]:
@@ -504,7 +503,7 @@ def run_benchmark_eval(cfg: EvalConfig, policy: Any = None) -> dict[str, Any]:
     plans = plan_benchmarks(cfg)
     tasks = [t for p in plans for t in p.tasks]
     leaked = check_leakage(cfg.model, tasks, cfg.allow_train_overlap)
-    needs_user = any(t.metadata.get("needs_user_simulator") for t in tasks)
+    needs_user = _real_user_needed(cfg) and any(t.rules.simulated_user for t in tasks)
     # Entered first: an unreachable user-model URL fails before the policy loads.
     with user_model_endpoint(cfg) if needs_user else contextlib.nullcontext() as user:
         policy = policy or open_generator(cfg.model, cfg.seed, cfg.tokenizer, cfg.api_model)

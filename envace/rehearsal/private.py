@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, TypeVar
 
 from envace.backends.base import Generator, SamplingParams
+from envace.config import ConfigError
 from envace.rehearsal.cost import RehearsalCost, TokenCost
 from envace.rehearsal.prompts import RehearsalPrompts, render_attempt, task_text
 from envace.rollout import CallGuard, Environment, RolloutConfig, RolloutEngine
@@ -44,12 +45,15 @@ class RehearsalConfig:
 
     def validate(self) -> None:
         if self.mode not in ("none", "parallel", "sequential"):
-            raise ValueError(f"rehearsal mode must be none, parallel or sequential, got {self.mode!r}")
+            raise ConfigError(f"rehearsal mode must be none, parallel or sequential, got {self.mode!r}")
         for name in ("n", "evaluation_tokens", "memory_tokens"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        self.execution.validate()
+        if self.attempt is not None:
+            self.attempt.validate()
 
     def attempt_config(self) -> RolloutConfig:
         return dataclasses.replace(self.attempt or self.execution, mode="rehearse")

@@ -1,37 +1,43 @@
-"""Rollout settings: one dataclass, declared once; every command that rolls out nests it."""
+"""Rollout settings: one dataclass, declared once; every command that rolls out nests it
+(`EvalConfig.rollout`, `TrainConfig.rollout`, `RehearsalConfig.execution`), with its own
+defaults from a default_factory, and its fields are that command's flat flags (envace/config.py)."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
+
+from envace.config import ConfigError, field
 
 Mode = Literal["real", "rehearse", "simulator"]
 
 
 @dataclass
 class RolloutConfig:
-    mode: Mode = "real"
-    rehearse_layout: Literal["transcript", "isolated"] = "transcript"
-    max_turns: int = 8  # ACT turns per trajectory
-    max_turn_tokens: int = 192  # tokens per ACT turn
-    max_rehearse_tokens: int = 160  # tokens per rehearsed/simulated tool response
-    max_total_tokens: int = 3072  # whole transcript, prompt included
-    temperature: float = 1.0
-    top_p: float = 1.0
-    accept_fenced_json: bool = False  # see parsing.parse_act
-    grounding: bool = False  # isolated prompt shows the task's reference (call, true result) pairs
-    # A malformed tool call or rehearsal is penalised; "end" stops the rollout there, "continue"
-    # shows the error (ACT) or the broken response (REHEARSE) as the tool's answer and goes on.
-    # An empty output always ends it.
-    on_malformed: Literal["end", "continue"] = "end"
-    # Rollouts in flight at once (None: all). Each holds a world and a KV cache until it ends, so
-    # this bounds memory on large task sets; the next rollout starts when one finishes.
-    max_active: int | None = None
+    mode: Mode = field("real", help="who answers tool calls: the real world, the policy itself (rehearse), or a frozen simulator")
+    rehearse_layout: Literal["transcript", "isolated"] = field(
+        "transcript", help="REHEARSE in the agent's transcript (one row per trajectory) or from a separate simulator prompt (one row per output)")
+    max_turns: int = field(8, help="ACT turns per trajectory (tasks with their own limit per user turn, e.g. BFCL multi-turn's 20, use theirs)")
+    max_turn_tokens: int = field(192, help="tokens per ACT turn")
+    max_rehearse_tokens: int = field(160, help="tokens per rehearsed or simulated tool response")
+    max_total_tokens: int = field(3072, help="tokens per trajectory, prompt included")
+    temperature: float = field(1.0, help="sampling temperature (0 = greedy)")
+    top_p: float = field(1.0, help="nucleus sampling")
+    accept_fenced_json: bool = field(False, help="also parse ```json tool calls (lenient; see parsing.parse_act)")
+    grounding: bool = field(False, help="the isolated rehearse prompt shows the task's reference (call, true result) pairs")
+    # An empty output always ends the rollout, whatever on_malformed says.
+    on_malformed: Literal["end", "continue"] = field(
+        "end", help="after a malformed tool call/rehearsal (penalised either way): end the rollout, or show the error (ACT) or the broken response (REHEARSE) as the tool's answer and go on")
+    # Each rollout in flight holds a world and a KV cache until it ends: this bounds memory.
+    max_active: int | None = field(None, help="rollouts in flight at once; the next starts when one ends (0 or empty = all at once)")
 
-
-def rollout_config_from(options: Any, **overrides: Any) -> RolloutConfig:
-    """The RolloutConfig fields of a command's config (eval, train) plus overrides."""
-    names = {f.name for f in dataclasses.fields(RolloutConfig)}
-    values = {name: getattr(options, name) for name in names if hasattr(options, name)}
-    return RolloutConfig(**(values | overrides))
+    def validate(self) -> None:
+        for name in ("max_turns", "max_turn_tokens", "max_rehearse_tokens", "max_total_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_active is not None and self.max_active < 0:
+            raise ConfigError(f"max_active must be >= 1, or 0 for all at once, got {self.max_active}")

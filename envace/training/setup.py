@@ -48,11 +48,13 @@ class TrainingOptions:
         from envace.backends.models import check_model_spec
 
         check_model_spec(self.model)
-        for name in ("lr", "micro_batch_tokens", "save_every", "keep_last"):
+        for name in ("lr", "lora_alpha", "grad_clip", "micro_batch_tokens", "save_every", "keep_last"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.lora_r < 0 or self.warmup_steps < 0 or self.grad_clip <= 0:
-            raise ConfigError("lora_r and warmup_steps must be >= 0 and grad_clip > 0")
+        # The seed feeds numpy's SeedSequence (per-step sampling seeds), which takes no negatives.
+        for name in ("lora_r", "warmup_steps", "weight_decay", "seed"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.resume and not self.output_dir:
             raise ConfigError("--resume needs --output-dir (the run to continue)")
 

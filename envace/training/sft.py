@@ -20,9 +20,9 @@ from envace import config as cfgmod
 from envace.algorithms.losses import Row, sequence_logprobs
 from envace.backends.scripted import ScriptedGenerator, sequence_reply
 from envace.config import ConfigError, field
-from envace.rewards import Context, replay_reward
+from envace.manifest import build_manifest, write_manifest
+from envace.rewards import Context, compute_rewards
 from envace.rollout import RolloutConfig, RolloutEngine
-from envace.training.manifest import build_manifest, write_manifest
 from envace.training.setup import (TrainingOptions, backward_micro_batches, check_resume, load_trainable, make_accelerator, make_optimizer,
                                    global_sum, make_scheduler, seed_everything, shared_run_dir)
 from envace.transcript import compact_json
@@ -47,8 +47,11 @@ class SFTConfig(TrainingOptions):
         self.validate_training()
         if self.tasks and not Path(self.tasks).is_file():
             raise ConfigError(f"task file {self.tasks} does not exist")
-        if self.epochs < 1 or self.rows_per_step < 1 or self.n_per_world < 1:
-            raise ConfigError("epochs, rows_per_step and n_per_world must be >= 1")
+        for name in ("epochs", "rows_per_step", "n_per_world", "max_total_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.difficulty not in (None, 1, 2, 3):
+            raise ConfigError(f"difficulty must be 1, 2 or 3 (or null for mixed), got {self.difficulty}")
 
 
 def reference_replies(task: Task) -> list[str]:
@@ -68,7 +71,7 @@ def reference_trajectories(tasks: list[Task], tokenizer: Any, env: Any, max_tota
     for task in tasks:
         policy = ScriptedGenerator(tokenizer, sequence_reply(reference_replies(task)))
         [[traj]] = RolloutEngine(policy, env, config).run([task], progress=False)
-        traj.reward, traj.reward_details = replay_reward(task, traj, Context(env=env))
+        compute_rewards("replay", [[traj]], [task], Context(env=env))
         if traj.reward == 1.0:
             kept.append(traj)
         else:

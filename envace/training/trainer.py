@@ -17,31 +17,37 @@ import json
 import random
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from envace import config as cfgmod
 from envace.algorithms import ADVANTAGES, group_metrics
-from envace.algorithms.losses import TRAINED_ROLES, build_rows, ppo_loss, sequence_logprobs
+from envace.algorithms.losses import build_rows, ppo_loss, sequence_logprobs
 from envace.config import ConfigError, field
-from envace.evaluation.metrics import summarize_records, trajectory_record
+from envace.manifest import build_manifest, write_manifest
+from envace.metrics import summarize_records, trajectory_record
 from envace.rewards import REWARDS, Context, compute_rewards
-from envace.rollout import RolloutConfig, RolloutEngine, rollout_config_from
-from envace.training.manifest import build_manifest, write_manifest
+from envace.rollout import RolloutConfig, RolloutEngine
+from envace.training.variants import VARIANTS, variants_help
 from envace.training.setup import (TrainingOptions, backward_micro_batches, check_resume, load_trainable, make_accelerator, make_optimizer,
                                    global_sum, make_scheduler, seed_everything, shared_run_dir, timed)
 from envace.types import Task, Trajectory
 
-Variant = Literal["envace", "real-grpo", "simulator", "no-share", "act-only"]
+def train_rollout() -> RolloutConfig:
+    """Training's rollout defaults: shorter than evaluation's, so that a CPU step stays short.
+    Sampling is pinned to temperature 1, top_p 1 whatever RolloutConfig's defaults say, the only
+    setting where the PPO ratio is exact (see TrainConfig._validate_sampling)."""
+    return RolloutConfig(max_turns=6, max_turn_tokens=128, max_rehearse_tokens=96, max_total_tokens=2048, temperature=1.0, top_p=1.0)
 
 
 @dataclass
 class TrainConfig(TrainingOptions):
-    variant: Variant = field("envace", help="envace | real-grpo | simulator | no-share | act-only")
+    variant: str = field("envace", help=f"training variant: {variants_help()}", choices=VARIANTS.names)
     init_from: str | None = field(None, help="start from this checkpoint directory (e.g. an `envace sft` run's final/)")
     simulator_model: str | None = field(None, help="frozen simulator for --variant simulator (default: the base --model)")
     tasks: str | None = field(None, help="JSONL training tasks (default: built-in train split)")
@@ -52,53 +58,77 @@ class TrainConfig(TrainingOptions):
     tasks_per_step: int = field(4, help="tasks per step")
     k: int = field(4, help="rollouts per task (the GRPO group)")
     real_fraction: float = field(0.0, help="share of tasks rolled out against the real world in rehearse variants")
-    rehearse_layout: Literal["transcript", "isolated"] = field("transcript", help="REHEARSE in the agent's transcript (one row per trajectory) or from a separate simulator prompt (one row per output)")
-    reward: str = field("replay", help="reward name or module:function")
+    rollout: RolloutConfig = field(default_factory=train_rollout, help="how the step's trajectories roll out",
+                                   hidden={"mode": "the variant decides who answers tool calls (--variant)"})
+    reward: str = field("replay", help="reward: replay | reference | module:function")
     advantage: str = field("role_grpo", help="advantage estimator: role_grpo | grpo | module:function")
     normalize_std: bool = field(False, help="divide advantages by the group std")
     penalty: float = field(-0.1, help="added to the reward of a malformed/empty output")
-    on_malformed: Literal["end", "continue"] = field("end", help="after a malformed tool call/rehearsal: end the rollout, or show the error and go on")
-    clip_eps: float = field(0.2, help="PPO clip range")
-    dual_clip: float | None = field(3.0, help="dual-clip constant for negative advantages (None = off)")
+    clip_eps: float = field(0.2, help="PPO clip range: the ratio is clipped to [1 - clip_eps, 1 + clip_eps]")
+    dual_clip: float | None = field(3.0, help="dual-clip constant (> 1) for negative advantages (None = off)")
     kl_coef: float = field(0.0, help="KL to the frozen initial model (0 = off)")
-    temperature: float = field(1.0, help="rollout temperature")
-    top_p: float = field(1.0, help="rollout nucleus sampling")
-    max_turns: int = field(6, help="ACT turns per trajectory")
-    max_turn_tokens: int = field(128, help="tokens per ACT turn")
-    max_rehearse_tokens: int = field(96, help="tokens per rehearsed response")
-    max_total_tokens: int = field(2048, help="tokens per trajectory")
     samples_per_step: int = field(2, help="trajectories written to samples.jsonl per step")
 
     def validate(self) -> None:
         self.validate_training()
+        self.rollout.validate()
+        self._validate_data()
+        self._validate_variant()
+        self._validate_objective()
+        self._validate_sampling()
+
+    def _validate_data(self) -> None:
         if self.tasks and not Path(self.tasks).is_file():
             raise ConfigError(f"task file {self.tasks} does not exist")
         if self.init_from and not Path(self.init_from).is_dir():
             raise ConfigError(f"--init-from {self.init_from} is not a directory")
-        if self.k < 2:
-            raise ConfigError(f"k must be >= 2 for a group baseline, got {self.k}")
-        for name in ("steps", "tasks_per_step", "n_per_world", "max_turns", "max_turn_tokens"):
+        for name in ("steps", "tasks_per_step", "n_per_world"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.k < 2:
+            raise ConfigError(f"k must be >= 2 for a group baseline, got {self.k}")
+        if self.difficulty not in (None, 1, 2, 3):
+            raise ConfigError(f"difficulty must be 1, 2 or 3 (or null for mixed), got {self.difficulty}")
+        if self.samples_per_step < 0:
+            raise ConfigError(f"samples_per_step must be >= 0, got {self.samples_per_step}")
+
+    def _validate_variant(self) -> None:
+        from envace.backends.models import check_model_spec
+
+        variant = VARIANTS.get(self.variant)
         if not 0.0 <= self.real_fraction <= 1.0:
             raise ConfigError(f"real_fraction must be in [0, 1], got {self.real_fraction}")
-        if self.variant in ("real-grpo", "simulator") and self.real_fraction:
+        if self.real_fraction and not variant.allows_real_fraction:
             raise ConfigError(f"real_fraction applies to rehearse variants, not {self.variant}")
-        if self.variant == "no-share" and self.rehearse_layout != "isolated":
-            raise ConfigError("--variant no-share needs --rehearse-layout isolated (two models cannot share one transcript's KV cache)")
+        if variant.requires_layout and self.rollout.rehearse_layout != variant.requires_layout:
+            raise ConfigError(f"--variant {self.variant} needs --rehearse-layout {variant.requires_layout} (two models cannot share one transcript's KV cache)")
+        if self.simulator_model is not None:
+            if not variant.needs_simulator_model:
+                users = [name for name in VARIANTS.names() if VARIANTS.get(name).needs_simulator_model]
+                raise ConfigError(f"--simulator-model is read by --variant {' | '.join(users)} only; drop it for --variant {self.variant}")
+            check_model_spec(self.simulator_model)
+
+    def _validate_objective(self) -> None:
+        if self.reward == "judge":
+            raise ConfigError("--reward judge: training has no judge model yet; use --reward replay (the default), reference, or module:function")
         if self.reward not in REWARDS and ":" not in self.reward:
-            raise ConfigError(f"unknown reward {self.reward!r}; known: {', '.join(REWARDS.names())}")
+            raise ConfigError(f"unknown reward {self.reward!r}; known: {', '.join(REWARDS.names())} or module:function")
         if self.advantage not in ADVANTAGES and ":" not in self.advantage:
-            raise ConfigError(f"unknown advantage {self.advantage!r}; known: {', '.join(ADVANTAGES.names())}")
-        if self.kl_coef < 0 or self.clip_eps <= 0:
-            raise ConfigError("kl_coef must be >= 0 and clip_eps > 0")
+            raise ConfigError(f"unknown advantage {self.advantage!r}; known: {', '.join(ADVANTAGES.names())} or module:function")
+        if not 0 < self.clip_eps < 1:
+            raise ConfigError(f"clip_eps must be in (0, 1) (the ratio is clipped to [1 - clip_eps, 1 + clip_eps]), got {self.clip_eps}")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ConfigError(f"dual_clip must be > 1 (a negative advantage's loss is capped at dual_clip times it), or null for off; got {self.dual_clip}")
+        if self.kl_coef < 0:
+            raise ConfigError(f"kl_coef must be >= 0 (0 = off), got {self.kl_coef}")
 
-    @property
-    def rollout_mode(self) -> str:
-        return {"real-grpo": "real", "simulator": "simulator"}.get(self.variant, "rehearse")
-
-    def rollout_config(self, mode: str) -> RolloutConfig:
-        return rollout_config_from(self, mode=mode)
+    def _validate_sampling(self) -> None:
+        # The backend records, and the update recomputes, log-probabilities of the untempered,
+        # unfiltered distribution: with any other sampling the PPO ratio would compare the
+        # update's policy with a distribution that did not draw the tokens.
+        if self.rollout.temperature != 1.0 or self.rollout.top_p != 1.0:
+            raise ConfigError(f"training samples at temperature 1 and top_p 1 (got temperature={self.rollout.temperature}, top_p={self.rollout.top_p}): "
+                              "the logprobs of the PPO ratio are those of the untempered full distribution, so it is only exact there")
 
 
 def load_train_tasks(cfg: TrainConfig) -> list[Task]:
@@ -140,17 +170,22 @@ class TaskStream:
 
 @dataclass
 class Models:
-    """The trained model(s) and what updates them. `rehearser` exists only in no-share."""
+    """The trained models by name (the variant's `trained_roles`: "policy", and "rehearser" where
+    a separate model rehearses), what updates each, and the frozen models."""
 
-    policy: Any
+    trained: dict[str, Any]
     optimizers: dict[str, torch.optim.Optimizer]
     schedulers: dict[str, Any]
-    rehearser: Any = None
-    simulator: Any = None  # frozen, for the simulator variant
+    simulator: Any = None  # frozen, for a variant whose simulator model answers tool calls
     reference: Any = None  # frozen initial policy, for the KL term
 
-    def trained(self) -> dict[str, Any]:
-        return {k: v for k, v in (("policy", self.policy), ("rehearser", self.rehearser)) if v is not None}
+    @property
+    def policy(self) -> Any:
+        return self.trained["policy"]
+
+    @property
+    def rehearser(self) -> Any:
+        return self.trained.get("rehearser")
 
 
 class Trainer:
@@ -158,6 +193,7 @@ class Trainer:
         from envace.envs.environment import WorldEnvironment
 
         self.cfg = cfg
+        self.variant = VARIANTS.get(cfg.variant)
         self.tasks = load_train_tasks(cfg)  # bad task files fail before any model loads
         self.env = WorldEnvironment()
         self.accelerator = make_accelerator()
@@ -169,6 +205,9 @@ class Trainer:
         self.models, self.tokenizer = self._build_models()
         self.step = 0
         self.stream = TaskStream(self.tasks, cfg.seed)
+        # Executions in a real world, by purpose: while rolling out, and after it to verify
+        # (reward replays, fidelity references). Totals over the run, checkpointed.
+        self.world_calls = {"rollout": 0, "verification": 0}
         if resume_from is not None:
             self._resume(resume_from)
         self.manifest = build_manifest(self.tasks, cfg.init_from)
@@ -179,7 +218,6 @@ class Trainer:
         from envace.training.logging import MetricsLogger
 
         self.logger = None if not main else MetricsLogger(self.dir, use_tensorboard=cfg.tensorboard, use_wandb=cfg.wandb, wandb_project=cfg.wandb_project, resume_step=self.step if resume_from else None, config=cfgmod.to_dict(cfg))
-        self.real_env_calls = 0
 
     # ---- setup ------------------------------------------------------------------------
     def _load(self, spec: str, trainable: bool = True) -> tuple[Any, Any]:
@@ -193,11 +231,10 @@ class Trainer:
 
     def _build_models(self) -> tuple[Models, Any]:
         cfg = self.cfg
-        policy, tok = self._trainable(cfg.init_from or cfg.model)
-        models = Models(policy[0], {"policy": policy[1]}, {"policy": policy[2]})
-        if cfg.variant == "no-share":
-            models.rehearser, models.optimizers["rehearser"], models.schedulers["rehearser"] = self._trainable(cfg.init_from or cfg.model)[0]
-        if cfg.variant == "simulator":
+        models = Models({}, {}, {})
+        for name in self.variant.trained_roles:
+            (models.trained[name], models.optimizers[name], models.schedulers[name]), tok = self._trainable(cfg.init_from or cfg.model)
+        if self.variant.needs_simulator_model:
             models.simulator, _ = self._load(cfg.simulator_model or cfg.model, trainable=False)
         if cfg.kl_coef > 0:
             models.reference, _ = self._load(cfg.init_from or cfg.model, trainable=False)
@@ -212,7 +249,7 @@ class Trainer:
         return (model, optimizer, make_scheduler(optimizer, self.cfg, self.cfg.steps)), tok
 
     def _unwrapped(self) -> dict[str, Any]:
-        return {k: self.accelerator.unwrap_model(m) for k, m in self.models.trained().items()}
+        return {k: self.accelerator.unwrap_model(m) for k, m in self.models.trained.items()}
 
     def _resume(self, path: Path) -> None:
         from envace.training.checkpoint import load_checkpoint
@@ -220,45 +257,44 @@ class Trainer:
         state = load_checkpoint(path, self._unwrapped(), self.models.optimizers, self.models.schedulers)
         self.step = state.step
         self.stream = TaskStream(self.tasks, self.cfg.seed, **state.data_state["stream"])
-        self.real_env_calls = state.data_state.get("real_env_calls", 0)
+        self.world_calls = {"rollout": state.data_state.get("real_env_calls", 0), "verification": state.data_state.get("verification_calls", 0)}
 
-    def _generator(self, model: Any, salt: int) -> Any:
+    def _generator(self, model: Any, stream: str) -> Any:
         from envace.backends.hf import HFGenerator
 
-        # A fresh sampling seed per step (and process): a resumed run samples what the
-        # uninterrupted run would.
-        seed = self.cfg.seed * 1_000_003 + self.step * 1024 + self.accelerator.process_index * 16 + salt
+        seed = sampling_seed(self.cfg.seed, self.step, self.accelerator.process_index, stream)
         return HFGenerator(self.accelerator.unwrap_model(model), self.tokenizer, seed=seed)
 
     # ---- one step ---------------------------------------------------------------------
     def rollout(self, tasks: list[Task]) -> list[list[Trajectory]]:
         cfg = self.cfg
-        n_real = round(cfg.real_fraction * len(tasks)) if cfg.rollout_mode == "rehearse" else 0
-        batches = [(tasks[:n_real], "real"), (tasks[n_real:], cfg.rollout_mode)]
+        # Validation allows real_fraction > 0 only in variants that rehearse.
+        n_real = round(cfg.real_fraction * len(tasks))
+        batches = [(tasks[:n_real], "real"), (tasks[n_real:], self.variant.rollout_mode)]
         groups: list[list[Trajectory]] = []
-        for model in self.models.trained().values():
+        for model in self.models.trained.values():
             model.eval()
         for part, mode in batches:
             if not part:
                 continue
-            policy = self._generator(self.models.policy, 0)
-            side = {"simulator": self.models.simulator, "rehearse": self.models.rehearser}.get(mode)
-            simulator = self._generator(side, 1) if side is not None else None
-            engine = RolloutEngine(policy, self.env, cfg.rollout_config(mode), simulator=simulator)
+            policy = self._generator(self.models.policy, f"policy-{mode}")
+            # The model (and its seed stream) that answers tool calls, where it is not the policy.
+            side, stream = {"simulator": (self.models.simulator, "simulator"), "rehearse": (self.models.rehearser, "rehearser")}.get(mode, (None, ""))
+            simulator = self._generator(side, stream) if side is not None else None
+            engine = RolloutEngine(policy, self.env, replace(cfg.rollout, mode=mode), simulator=simulator)
             with torch.no_grad():
                 groups += engine.run(part, k=cfg.k, progress=cfg.progress, desc=f"step {self.step + 1} rollout ({mode})")
         return groups
 
     def update(self, groups: list[list[Trajectory]]) -> dict[str, float]:
         cfg = self.cfg
-        roles = TRAINED_ROLES[cfg.variant]
-        all_roles = tuple(sorted({r for rs in roles.values() for r in rs}))
-        advantages = ADVANTAGES.get(cfg.advantage)(groups, roles=all_roles, normalize_std=cfg.normalize_std, penalty=cfg.penalty)
+        roles = self.variant.trained_roles
+        advantages = ADVANTAGES.get(cfg.advantage)(groups, roles=self.variant.all_roles, normalize_std=cfg.normalize_std, penalty=cfg.penalty)
         trajs = [t for g in groups for t in g]
         advs = [a for g in advantages for a in g.trajectories]
         metrics = group_metrics(advantages)
         layout = "isolated" if any(t.side_rows for t in trajs) else "transcript"
-        for name, model in self.models.trained().items():
+        for name, model in self.models.trained.items():
             rows = build_rows(trajs, advs, roles[name], layout)
             metrics |= {f"{name}/{k}": v for k, v in self._optimize(name, model, rows).items()}
         return metrics
@@ -303,11 +339,13 @@ class Trainer:
         compute_rewards(self.cfg.reward, groups, tasks, Context(env=self.env))
         records = [trajectory_record(t, tr) for t, g in zip(tasks, groups) for tr in g]
         summary = summarize_records(records)
-        rollout_calls = int(global_sum(self.accelerator, sum(tr.real_env_calls for g in groups for tr in g)))
-        self.real_env_calls += rollout_calls
-        keys = ("success_rate", "mean_reward", "tokens_per_task", "malformed", "fidelity/exact", "fidelity/field_f1", "fidelity/calls")
+        step_calls = {purpose: int(global_sum(self.accelerator, summary[key])) for purpose, key in (("rollout", "real_env_calls"), ("verification", "verification_calls"))}
+        for purpose, n in step_calls.items():
+            self.world_calls[purpose] += n
+        keys = ("success_rate", "mean_reward", "tokens_per_task", "malformed", "tool_exceptions", "fidelity/exact", "fidelity/field_f1", "fidelity/calls")
         out = {k if k != "mean_reward" else "reward/mean": summary[k] for k in keys if k in summary}
-        return out | {"env/real_calls_step": rollout_calls, "env/real_calls_total": self.real_env_calls}
+        return out | {"env/real_calls_step": step_calls["rollout"], "env/real_calls_total": self.world_calls["rollout"],
+                      "env/verification_calls_step": step_calls["verification"], "env/verification_calls_total": self.world_calls["verification"]}
 
     def _global_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """One value per metric over all processes: counts are summed, the rest averaged."""
@@ -339,7 +377,7 @@ class Trainer:
 
         if self.accelerator.is_main_process:
             save_checkpoint(self.dir, self.step, self._unwrapped(), self.models.optimizers, self.models.schedulers,
-                            data_state={"stream": self.stream.state(), "real_env_calls": self.real_env_calls},
+                            data_state={"stream": self.stream.state(), "real_env_calls": self.world_calls["rollout"], "verification_calls": self.world_calls["verification"]},
                             config=cfgmod.to_dict(self.cfg), keep_last=self.cfg.keep_last)
         self.accelerator.wait_for_everyone()
 
@@ -365,7 +403,8 @@ class Trainer:
             bar.update(1)
             bar.set_postfix({k: round(last[k], 3) for k in ("success_rate", "reward/mean") if k in last})
         bar.close()
-        result = {"run_dir": str(self.dir), "final_model": str(self.dir / "final"), "plots": [], "last_metrics": last, "real_env_calls": self.real_env_calls}
+        result = {"run_dir": str(self.dir), "final_model": str(self.dir / "final"), "plots": [], "last_metrics": last,
+                  "real_env_calls": self.world_calls["rollout"], "verification_calls": self.world_calls["verification"]}
         if main:
             from envace.training.plots import plot_metrics
 
@@ -374,6 +413,20 @@ class Trainer:
             result["plots"] = [str(p) for p in plot_metrics(self.dir / "metrics.jsonl", self.dir / "plots")]
         self.accelerator.wait_for_everyone()
         return result
+
+
+# One sampling stream per generator of a step (the policy per rollout mode, a separate rehearser,
+# a frozen simulator), so that no two generators of one step share a seed.
+SEED_STREAMS = ("policy-real", "policy-rehearse", "policy-simulator", "rehearser", "simulator")
+
+
+def sampling_seed(seed: int, step: int, process: int, stream: str) -> int:
+    """The sampling seed of one generator at one step. It depends on (seed, step, process, stream)
+    only, so a resumed run samples what the uninterrupted run would; SeedSequence hashes them to
+    64 bits, so seeds stay distinct for any number of processes and steps (a linear formula
+    collides once its strides overlap)."""
+    entropy = [seed, step, process, SEED_STREAMS.index(stream)]
+    return int(np.random.SeedSequence(entropy).generate_state(1, dtype=np.uint64)[0])
 
 
 def is_count(metric: str) -> bool:
@@ -391,5 +444,5 @@ def _token_key(metric: str) -> str:
 
 def run_train(cfg: TrainConfig) -> dict[str, Any]:
     result = Trainer(cfg).fit()
-    print(json.dumps({k: result[k] for k in ("run_dir", "final_model", "real_env_calls")}, indent=2))
+    print(json.dumps({k: result[k] for k in ("run_dir", "final_model", "real_env_calls", "verification_calls")}, indent=2))
     return result

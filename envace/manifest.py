@@ -1,4 +1,5 @@
 """Data manifests: which tasks a checkpoint was trained on, so evaluation can refuse leakage.
+Training writes them and evaluation reads them, so this module depends on neither.
 
 Every training run writes `data_manifest.json` into its run directory and into its exported
 model directory. A run that starts from another checkpoint (`--init-from`) inherits that

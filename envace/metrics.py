@@ -1,5 +1,6 @@
-"""Summary statistics for evaluations: success with a confidence interval, tool-call F1,
-rehearsal fidelity, cost per task."""
+"""Summary statistics of scored trajectories: success with a confidence interval, tool-call F1,
+rehearsal fidelity, cost per task. Evaluation and training both aggregate with these, so this
+module depends on neither."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import math
 from collections import defaultdict
 from typing import Any
 
+from envace.envs.base import TOOL_EXCEPTION
 from envace.fidelity import summarize, trajectory_fidelity
 from envace.rewards import multiset_f1
-from envace.types import Role, Task, Trajectory
+from envace.types import CallStatus, Role, Task, Trajectory
 
 
 def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -31,8 +33,24 @@ def tool_call_prf(task: Task, traj: Trajectory) -> dict[str, float] | None:
     return {"precision": p, "recall": r, "f1": f1}
 
 
+def is_tool_exception(observation: dict[str, Any]) -> bool:
+    error = observation.get("error")
+    return isinstance(error, dict) and error.get("code") == TOOL_EXCEPTION
+
+
+def tool_exceptions(traj: Trajectory) -> int:
+    """Executions whose tool raised (answered TOOL_EXCEPTION): while rolling out, and when the
+    calls were replayed after it. Rehearsed or simulated responses are written by a model, not
+    by a tool, so they never count."""
+    executed = [o for c, o in traj.committed_exchanges() if c.status == CallStatus.EXECUTED]
+    return sum(map(is_tool_exception, executed + (traj.real_observations or [])))
+
+
 def trajectory_record(task: Task, traj: Trajectory, success_threshold: float = 1.0) -> dict[str, Any]:
-    """One flat record per trajectory: what summaries aggregate and what the JSONL stores."""
+    """One flat record per trajectory: what summaries aggregate and what the JSONL stores.
+
+    `real_env_calls` are the executions while rolling out; `verification_calls` those after it,
+    on a fresh world (the replay reward's, or the replay that gives fidelity its reference)."""
     record: dict[str, Any] = {
         "task_id": task.id,
         "world": task.world,
@@ -44,6 +62,8 @@ def trajectory_record(task: Task, traj: Trajectory, success_threshold: float = 1
         "end_reason": traj.end_reason.value if traj.end_reason else None,
         "num_calls": len(traj.tool_calls),
         "real_env_calls": traj.real_env_calls,
+        "verification_calls": len(traj.real_observations or []),
+        "tool_exceptions": tool_exceptions(traj),
         "act_tokens": traj.num_tokens(Role.ACT),
         "rehearse_tokens": traj.num_tokens(Role.REHEARSE),
         "total_tokens": traj.num_tokens(),
@@ -53,9 +73,8 @@ def trajectory_record(task: Task, traj: Trajectory, success_threshold: float = 1
     prf = tool_call_prf(task, traj)
     if prf:
         record.update({f"tool_{k}": v for k, v in prf.items()})
-    real = traj.reward_details.get("real_observations")
-    if traj.mode != "real" and real is not None:
-        record["fidelity"] = trajectory_fidelity(traj, real)
+    if traj.mode != "real" and traj.real_observations is not None:
+        record["fidelity"] = trajectory_fidelity(traj)
     return record
 
 
@@ -75,6 +94,8 @@ def summarize_records(records: list[dict[str, Any]], wall_seconds: float | None 
         "tokens_per_task": sum(r["total_tokens"] for r in records) / n,
         "seconds_per_task": (wall_seconds if wall_seconds is not None else sum(r["seconds"] for r in records)) / n,
         "real_env_calls": sum(r["real_env_calls"] for r in records),
+        "verification_calls": sum(r["verification_calls"] for r in records),
+        "tool_exceptions": sum(r["tool_exceptions"] for r in records),
         "malformed": sum(sum(r["penalties"].values()) for r in records),
     }
     with_ref = [r for r in records if "tool_f1" in r]

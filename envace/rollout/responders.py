@@ -1,0 +1,160 @@
+"""Who answers ACT's tool calls: one responder per mode.
+
+  RealWorld           the episode's executable world runs the call (ENV tokens are forced);
+                      an optional pre-commit guard may decline irreversible calls first
+  TranscriptRehearsal the policy writes the response in the agent's own transcript (REHEARSE)
+  IsolatedSimulator   a fresh simulator prompt per call: the policy (REHEARSE, one training row
+                      per answer, `Trajectory.side_rows`) or a frozen external simulator
+
+Each `answer(episodes)` answers the first queued call of every given episode, batched where a
+model writes the answers; the engine calls it until no episode has a call waiting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from envace.backends.base import Generator
+from envace.parsing import ParseError, parse_rehearsal
+from envace.rollout.episode import Episode, EpisodeWriter
+from envace.transcript import Transcript, simulator_messages
+from envace.types import CallStatus, EndReason, Role, Task, ToolCall, Trajectory, Turn
+
+
+class ToolResponder(Protocol):
+    def answer(self, episodes: list[Episode]) -> None: ...
+
+
+@dataclass
+class GuardDecision:
+    """What to do with an irreversible call in real mode: execute it, hand the agent `reason` as
+    the call's observation instead (revise), or stop and ask the user."""
+
+    action: Literal["execute", "revise", "stop"]
+    reason: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+class CallGuard(Protocol):
+    def __call__(self, task: Task, traj: Trajectory, call: ToolCall) -> GuardDecision: ...
+
+
+class RealWorld:
+    def __init__(self, writer: EpisodeWriter, guard: CallGuard | None = None):
+        self.writer = writer
+        self.guard = guard
+
+    def answer(self, episodes: list[Episode]) -> None:
+        for ep in episodes:
+            call = ep.queue[0]
+            if self.guard is not None and call.name in ep.world.irreversible_tools and not self._allowed(ep, call):
+                continue
+            ep.traj.real_env_calls += 1
+            self.writer.tool_turn(ep, ep.world.execute(call), CallStatus.EXECUTED)
+
+    def _allowed(self, ep: Episode, call: ToolCall) -> bool:
+        """Ask the guard; a declined call is answered with the reason (revise) or ends the episode (stop)."""
+        decision = self.guard(ep.task, ep.traj, call)
+        ep.traj.events.append({"event": "guard", "call": call.to_dict(), "action": decision.action, "reason": decision.reason, **decision.details})
+        if decision.action == "stop":
+            ep.queue.pop(0).status = CallStatus.STOPPED
+            self.writer.end(ep, EndReason.STOPPED)
+            return False
+        if decision.action == "revise":
+            self.writer.tool_turn(ep, {"error": {"code": "NOT_EXECUTED", "message": decision.reason}}, CallStatus.REVISED)
+            return False
+        return True
+
+
+class TranscriptRehearsal:
+    """The policy continues the agent's transcript with the tool's response."""
+
+    def __init__(self, writer: EpisodeWriter, policy: Generator, max_tokens: int):
+        self.writer = writer
+        self.policy = policy
+        self.max_tokens = max_tokens
+
+    def answer(self, episodes: list[Episode]) -> None:
+        w = self.writer
+        marker = w.transcript.layout.rehearse_marker
+        for ep, out in w.generate(self.policy, episodes, self.max_tokens, marker):
+            turn = Turn(Role.REHEARSE, out.token_ids, out.logprobs, out.text)
+            if out.finish_reason == "length":
+                ep.append(turn, fed=True)
+                w.truncated(ep)
+                continue
+            try:
+                obs, status = parse_rehearsal(w.transcript.strip_marker(out.text, marker)), CallStatus.REHEARSED
+            except ParseError as err:
+                call = ep.queue[0]
+                if not w.penalize(ep, "rehearse", turn, err, EndReason.MALFORMED_REHEARSAL):
+                    call.status = CallStatus.MALFORMED
+                    ep.append(turn, fed=True)
+                    continue
+                obs, status = err.observation(), CallStatus.MALFORMED  # ACT reads the broken response as generated
+            w.tool_turn(ep, obs, status, turn)
+
+
+class IsolatedSimulator:
+    """A fresh two-message simulator chat per call (the reference's isolated layout).
+
+    `trained` (rehearse mode): the answers are the policy's REHEARSE outputs, each kept as its own
+    training row. Otherwise a frozen simulator answers (the external-simulator baseline). ACT sees
+    either as forced ENV tokens: the answer was written outside its transcript."""
+
+    def __init__(self, writer: EpisodeWriter, simulator: Generator, env: Any, trained: bool, max_tokens: int, grounding: bool):
+        self.writer = writer
+        self.simulator = simulator
+        self.env = env
+        self.trained = trained
+        self.max_tokens = max_tokens
+        self.grounding = grounding
+        self.transcript = writer.transcript if simulator.tokenizer is writer.transcript.tokenizer else Transcript(simulator.tokenizer)
+        self._grounding_cache: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {}
+
+    def answer(self, episodes: list[Episode]) -> None:
+        w = self.writer
+        prompts = [self.transcript.prompt(self._chat(e), "", []) for e in episodes]
+        marker = self.transcript.layout.act_marker  # the simulator answers as an assistant
+        sessions = self.simulator.open(len(episodes))
+        try:
+            outs = self.simulator.generate(sessions, [p.token_ids for p in prompts], w.params(self.max_tokens, marker))
+        finally:
+            self.simulator.close(sessions)
+        role = "rehearse" if self.trained else "simulator"
+        for ep, prompt, out in zip(episodes, prompts, outs):
+            output = self._keep_row(ep, prompt, out) if self.trained else None
+            if out.finish_reason == "length":
+                w.truncated(ep)
+                continue
+            try:
+                obs = parse_rehearsal(self.transcript.strip_marker(out.text, marker))
+                status = CallStatus.REHEARSED if self.trained else CallStatus.SIMULATED
+            except ParseError as err:
+                call = ep.queue[0]
+                if not w.penalize(ep, role, output, err, EndReason.MALFORMED_REHEARSAL):
+                    call.status = CallStatus.MALFORMED
+                    continue
+                obs, status = err.observation(), CallStatus.MALFORMED  # ACT sees the error, not the broken text
+            w.tool_turn(ep, obs, status)
+
+    def _keep_row(self, ep: Episode, prompt: Turn, out: Any) -> Turn:
+        output = Turn(Role.REHEARSE, out.token_ids, out.logprobs, out.text)
+        row = Trajectory(task_id=ep.task.id, mode="rehearse-isolated", group=ep.traj.group, turns=[prompt, output])
+        ep.traj.side_rows.append(row)
+        return output
+
+    def _grounding(self, task: Task) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+        """Privileged (call, true result) pairs: the task's reference calls run on a fresh world,
+        as the reference implementation grounds its simulator in the reference trajectory."""
+        if task.id not in self._grounding_cache:
+            world = self.env.make_world(task)
+            self._grounding_cache[task.id] = [(c, world.call(c["name"], c.get("arguments", {}))) for c in task.reference_calls]
+        return self._grounding_cache[task.id]
+
+    def _chat(self, ep: Episode) -> list[dict[str, Any]]:
+        history = [(c, o) for c, o in zip(ep.traj.tool_calls, ep.traj.observations)]
+        grounding = self._grounding(ep.task) if self.grounding else None
+        task_text = next((m["content"] for m in ep.task.messages if m["role"] == "user"), "")
+        return simulator_messages(ep.description, ep.tools, history, ep.queue[0], task_text, grounding)
