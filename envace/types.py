@@ -52,9 +52,10 @@ class CallStatus(str, enum.Enum):
     STOPPED = "stopped"  # the pre-commit guard ended the episode at it
     UNANSWERED = "unanswered"  # the episode ended before it was answered
     RECORDED = "recorded"  # scored as written, never answered (stop tools, single-response tasks)
+    REFERENCE = "reference"  # answered with the response recorded in the task's reference trajectory
 
 
-COMMITTED = frozenset({CallStatus.EXECUTED, CallStatus.REHEARSED, CallStatus.SIMULATED})
+COMMITTED = frozenset({CallStatus.EXECUTED, CallStatus.REHEARSED, CallStatus.SIMULATED, CallStatus.REFERENCE})
 
 
 @dataclass
@@ -103,11 +104,13 @@ class Task:
     """One task. Serialised one per line in the JSONL task format (docs/tasks.md).
 
     `world` names a registered environment (or `module:Class`); `initial_state` is handed to
-    its `reset`. `success` is the verifier spec understood by that world's `verify`.
+    its `reset`. `success` is the verifier spec understood by that world's `verify`. A task with
+    `world=None` is world-free: it carries its `tools`, its `documentation`, and usually a recorded
+    `reference` (envace/references.py), and it trains with no executable environment.
     """
 
     id: str
-    world: str
+    world: str | None  # None: a world-free task
     messages: list[dict[str, Any]]  # the task's own opening messages (system optional, then user)
     # Later user messages, replayed in order each time ACT answers without a tool call
     # (multi-turn benchmarks such as BFCL). A user simulator may replace them (see rollout).
@@ -115,8 +118,12 @@ class Task:
     initial_state: dict[str, Any] = field(default_factory=dict)
     success: dict[str, Any] = field(default_factory=dict)
     reference_calls: list[dict[str, Any]] = field(default_factory=list)  # [{"name", "arguments"}]
-    checklist: list[dict[str, Any]] = field(default_factory=list)  # [{"item", "weight"}] for the judge
+    # The reference trajectory as OpenAI-style messages, with the tool responses recorded when it
+    # was made (world-free tasks: the grounding, the SFT data and the recorded-reference responder).
+    reference: list[dict[str, Any]] | None = None
+    checklist: list[dict[str, Any]] = field(default_factory=list)  # [{"item", "weight", "turn"?}] for the judge
     tools: list[dict[str, Any]] | None = None  # OpenAI function schemas; None = the world's own
+    documentation: str | None = None  # the rules the agent is told (system prompt); None = the world's description
     split: str = "train"
     difficulty: int = 1
     hidden_state: bool = False  # True when the initial state is not inferable from the prompt/docs
