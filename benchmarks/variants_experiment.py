@@ -59,16 +59,16 @@ def main() -> None:
     results = json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else {}
 
     if "base" not in results:  # the untrained model, on the same evaluation tasks
-        results["base"] = {"seconds": 0.0, "real_env_calls": 0, "eval": evaluate("default", out / "base", args)}
+        results["base"] = {"seconds": 0.0, "world_executions": 0, "eval": evaluate("default", out / "base", args)}
         (out / "results.json").write_text(json.dumps(results, indent=2))
     sft_dir = out / "sft"
     warm = args.sft_from or str(sft_dir / "final")
     if "sft" not in results:
         start = time.perf_counter()
-        sft = {"real_env_calls": "reused", "seconds": None}
+        sft = {"world_executions": "reused", "seconds": None}
         if not args.sft_from:
             done = run_sft(build(SFTConfig, dict(n_per_world=args.sft_per_world, epochs=1, rows_per_step=8, lr=2e-4, difficulty=1, output_dir=str(sft_dir), progress=False)))
-            sft = {"real_env_calls": done["real_env_calls"], "seconds": time.perf_counter() - start}
+            sft = {"world_executions": done["world_executions"]["total"], "seconds": time.perf_counter() - start}
         results["sft"] = sft | {"eval": evaluate(warm, out / "sft", args)}
         (out / "results.json").write_text(json.dumps(results, indent=2))
     for variant in args.variants:
@@ -79,7 +79,7 @@ def main() -> None:
         train = run_train(build(TrainConfig, preset | variant_options(variant) | dict(variant=variant, init_from=warm,
                                                                                      output_dir=str(run), resume=run.exists(), progress=False)))
         seconds = time.perf_counter() - start
-        results[variant] = {"seconds": seconds, "real_env_calls": train["real_env_calls"], "eval": evaluate(train["final_model"], run, args),
+        results[variant] = {"seconds": seconds, "world_executions": train["world_executions"]["total"], "eval": evaluate(train["final_model"], run, args),
                             "last_metrics": {k: v for k, v in train["last_metrics"].items() if k.startswith(("reward", "success", "fidelity", "env/"))}}
         (out / "results.json").write_text(json.dumps(results, indent=2))
     (out / "results.json").write_text(json.dumps(results, indent=2))
@@ -95,11 +95,11 @@ def table(results: dict, preset: dict, args: argparse.Namespace) -> str:
     lines = [f"Command: `python benchmarks/variants_experiment.py {shlex.join(sys.argv[1:])}`", "",
              f"Preset: {preset['steps']} steps x {preset['tasks_per_step']} tasks x K={preset['k']}, difficulty {preset['difficulty']}, from one shared SFT warm start.", "",
              f"| row | success, training worlds ({', '.join(TRAIN_WORLDS)}) [95% CI] | success, held-out world ({', '.join(HELDOUT_WORLDS)}) [95% CI] "
-             "| tool F1 | real-env calls in training | train wall time |",
+             "| tool F1 | real-world executions in training (all purposes) | train wall time |",
              "|---|---|---|---|---|---|"]
     for name, r in results.items():
         summary = json.loads((out / name / "eval-test" / "summary.json").read_text())
-        calls = r.get("real_env_calls", "-")
+        calls = r.get("world_executions", "-")
         wall = f"{r['seconds'] / 60:.1f} min" if r.get("seconds") is not None else "reused"
         lines.append(f"| {name} | {pooled_success(summary, set(TRAIN_WORLDS))} | {pooled_success(summary, set(HELDOUT_WORLDS))} "
                      f"| {summary['overall'].get('tool_f1', 0):.2f} | {calls} | {wall} |")

@@ -97,7 +97,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     stages["SFT + rehearsal GRPO, rehearse mode"] = evaluate("trained-rehearse", trained, "rehearse")
     summary = {
         "stages": stages,
-        "train": {k: train_result[k] for k in ("run_dir", "real_env_calls", "verification_calls", "plots")},
+        "train": {k: train_result[k] for k in ("run_dir", "world_executions", "chain_world_executions", "plots")},
         "timings_s": timings, "total_s": time.perf_counter() - start, "config": cfg.__dict__,
     }
     write_report(summary, root)
@@ -121,9 +121,11 @@ def report_markdown(summary: dict[str, Any], root: Path) -> str:
         o = s["overall"]
         fid = f"{o['fidelity/exact']:.2f} / {o['fidelity/field_f1']:.2f}" if "fidelity/exact" in o else "-"
         lines.append(f"| {name} | {pooled_success(s, set(TRAIN_WORLDS))} | {pooled_success(s, set(HELDOUT_WORLDS))} | {o.get('tool_f1', 0):.2f} | {fid} | {o['real_env_calls']} | {o['malformed']} |")
-    lines += ["", f"Real-environment executions during rehearsal training: **{summary['train']['real_env_calls']}** while rolling out, "
-              f"**{summary['train']['verification_calls']}** to verify (the replay reward re-runs ACT's committed calls on a fresh world "
-              "to score them; the policy never sees those results).", "",
+    calls = summary["train"]["world_executions"]
+    lines += ["", f"Real-world executions during rehearsal training: **{calls['rollout']}** while rolling out, "
+              f"**{calls['verification']}** to verify (the replay reward re-runs ACT's committed calls on a fresh world "
+              f"to score them; the policy never sees those results), {calls['grounding']} for grounding; "
+              f"{summary['train']['chain_world_executions']['sft_data']} made the warm start's data.", "",
               "## Per world after training (real world)", "", markdown_table(summary["stages"]["SFT + rehearsal GRPO"]), "",
               "## Stage timings", "", "| stage | seconds |", "|---|---|"]
     lines += [f"| {k} | {v:.0f} |" for k, v in summary["timings_s"].items()]

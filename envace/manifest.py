@@ -12,15 +12,18 @@ import json
 from pathlib import Path
 from typing import Any
 
+from envace.accounting import WorldExecutions
 from envace.types import Task
 
 MANIFEST = "data_manifest.json"
 
 
 def scenario_keys(tasks: list[Task]) -> list[str]:
+    """The tasks' scenarios; a world-free task exported from a world task (`envace tasks
+    --no-world`) counts as its source scenario, so evaluating on that world task is leakage too."""
     from envace.envs.tasks import scenario_key
 
-    return sorted({scenario_key(t) for t in tasks})
+    return sorted({t.metadata.get("source_scenario") or scenario_key(t) for t in tasks})
 
 
 def read_manifest(model_dir: str | Path | None) -> dict[str, Any] | None:
@@ -35,6 +38,16 @@ def build_manifest(tasks: list[Task], parent_model: str | None, **extra: Any) ->
         "scenario_keys": sorted(set(parent["scenario_keys"]) | set(scenario_keys(tasks))),
         **extra,
     }
+
+
+def inherited_executions(parent_model: str | None) -> WorldExecutions:
+    """The world executions of the checkpoint chain that `parent_model` ends (0 without a manifest)."""
+    return WorldExecutions.from_dict((read_manifest(parent_model) or {}).get("world_executions"))
+
+
+def with_executions(manifest: dict[str, Any], chain: WorldExecutions) -> dict[str, Any]:
+    """The manifest recording `chain`: every world execution that made the checkpoint."""
+    return manifest | {"world_executions": chain.as_dict()}
 
 
 def write_manifest(manifest: dict[str, Any], *dirs: Path) -> None:

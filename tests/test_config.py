@@ -174,3 +174,18 @@ def test_a_run_saved_before_nesting_still_resumes(tmp_path):
     changed = build(TrainConfig, {"output_dir": str(tmp_path), "resume": True, "max_turns": 4})
     with pytest.raises(ConfigError, match="options differ.*max_turns"):
         check_resume(tmp_path, changed, resume=True)
+
+
+def test_a_weighted_reward_and_its_judge_load_from_flags_and_yaml_and_save_back(tmp_path):
+    """`judge:0.7,reference:0.3` is one string to argparse and YAML alike (no flag splitting,
+    no YAML mapping or sexagesimal number), so a saved run loads back to the same config."""
+    from envace.training.trainer import TrainConfig
+
+    p = argparse.ArgumentParser()
+    add_arguments(p, TrainConfig)
+    flags = from_namespace(TrainConfig, p.parse_args(["--reward", "judge:0.7,reference:0.3", "--judge", "http://127.0.0.1:9/v1"]))
+    from_yaml = from_namespace(TrainConfig, p.parse_args(["--config", write(tmp_path, "reward: judge:0.7,reference:0.3\njudge: http://127.0.0.1:9/v1\n")]))
+    assert flags == from_yaml and (flags.reward, flags.judge) == ("judge:0.7,reference:0.3", "http://127.0.0.1:9/v1")
+    saved = tmp_path / "saved.yaml"
+    saved.write_text(yaml.safe_dump(to_dict(flags)))
+    assert build(TrainConfig, yaml.safe_load(saved.read_text())) == flags

@@ -410,3 +410,97 @@ def test_rollout_and_replay_reward_go_on_past_a_tool_exception(tokenizer, caplog
     assert traj.observations == [UNKNOWN_TITLE_ERROR, {"borrowed": "Dune"}] and traj.real_env_calls == 2
     assert traj.reward == 1.0 and traj.real_observations == traj.observations
     assert len(caplog.records) == 2  # once in the rollout, once in the replay
+
+
+# ---- world-free tasks ----------------------------------------------------------------------
+
+def world_free_counter_task(**kw):
+    from tests.worlds import Counter
+
+    return Task(id="free-1", world=None, messages=[{"role": "user", "content": "Add 5 to the counter and tell me the value."}],
+                tools=Counter.tool_schemas(), documentation="Counter rules: add(n) returns the new value.",
+                reference_calls=[{"name": "add", "arguments": {"n": 5}}], **kw)
+
+
+def test_a_world_free_task_is_described_by_itself_and_has_no_world():
+    from envace.envs.base import NoWorldError
+
+    env, task = WorldEnvironment(), world_free_counter_task()
+    assert env.describe(task) == ("Counter rules: add(n) returns the new value.", task.tools)
+    assert env.describe(dataclasses.replace(task, documentation=None)) == ("", task.tools)
+    with pytest.raises(NoWorldError, match=r"world-free task free-1 has no executable world: roll it out with --mode rehearse") as info:
+        env.make_world(task)
+    assert isinstance(info.value, ValueError) and "judge, reference" in str(info.value)
+
+
+def test_a_tasks_documentation_replaces_its_worlds_description():
+    env, bank = WorldEnvironment(), get_world("bank")
+    task = Task(id="b", world="bank", messages=[])
+    assert env.describe(task) == (bank.description, bank.tool_schemas())
+    assert env.describe(dataclasses.replace(task, documentation="Be brief.")) == ("Be brief.", bank.tool_schemas())
+
+
+def test_rehearse_mode_and_the_reference_reward_never_need_a_world(tokenizer):
+    """A world-free task rolls out in rehearse mode and is scored by the reference reward; the
+    fidelity replay after it is skipped (there is no world to replay on)."""
+    from tests.test_rollout import agent
+
+    task = world_free_counter_task()
+    engine = RolloutEngine(ScriptedGenerator(tokenizer, agent), WorldEnvironment(), RolloutConfig(mode="rehearse"))
+    [[traj]] = engine.run([task], progress=False)
+    compute_rewards("reference", [[traj]], [task], Context(env=WorldEnvironment()))
+    assert traj.end_reason == EndReason.ANSWERED and traj.observations == [{"value": 5}] and traj.real_env_calls == 0
+    assert traj.reward == 1.0 and traj.real_observations is None
+    assert "Counter rules: add(n) returns the new value." in tokenizer.decode(traj.token_ids)  # the task's documentation is the system prompt
+
+
+def test_export_no_world_records_each_reference_call_executed_once(tmp_path, capsys):
+    from envace.envs.export import ExportConfig, export_tasks
+    from envace.envs.tasks import load_tasks, scenario_key
+    from envace.references import recorded_exchanges
+
+    output = tmp_path / "free.jsonl"
+    provenance = export_tasks(ExportConfig(output=str(output), worlds=["bank", "shop"], n_per_world=2, world=False))
+    originals = builtin_tasks("train", 2, worlds=["bank", "shop"])  # what the export's defaults draw
+    exported = load_tasks(output)
+    assert [t.id for t in exported] == [t.id for t in originals]
+    for free, task in zip(exported, originals):
+        cls = get_world(task.world)
+        assert free.world is None and free.success == {} and free.initial_state == {}
+        assert free.tools == cls.tool_schemas() and free.documentation == cls.description
+        assert free.reference_calls == task.reference_calls and free.checklist == task.checklist and free.messages == task.messages
+        assert free.metadata == {**task.metadata, "exported_from": task.world, "source_scenario": scenario_key(task)}
+        _, real = replay(task, task.reference_calls)  # a fresh world of the task, the calls in order
+        assert [response for _, response in recorded_exchanges(free.reference)] == real
+        assert free.reference[-1] == {"role": "assistant", "content": task.metadata["reference_answer"]}
+    executions = sum(len(t.reference_calls) for t in originals)
+    assert executions > len(originals)  # some task makes more than one call
+    assert provenance == {"tasks": 4, "world_executions": executions, "source": "builtin:train seed=0 difficulty=mixed worlds=bank,shop"}
+    assert json.loads((tmp_path / "free.jsonl.export.json").read_text()) == provenance
+    assert f"exported 4 tasks; {executions} tool executions at export time" in capsys.readouterr().out
+
+
+def test_tasks_command_no_world_flag(tmp_path):
+    from envace.cli import main
+    from envace.envs.tasks import load_tasks
+
+    assert main(["tasks", "--no-world", "--worlds", "files", "--n-per-world", "1", "--output", str(tmp_path / "f.jsonl")]) == 0
+    assert [t.world for t in load_tasks(tmp_path / "f.jsonl")] == [None]
+    assert (tmp_path / "f.jsonl.export.json").exists()
+    # Overwritten with world tasks, the file no longer has a recording's cost: the sidecar goes.
+    assert main(["tasks", "--worlds", "files", "--n-per-world", "1", "--output", str(tmp_path / "f.jsonl")]) == 0
+    assert [t.world for t in load_tasks(tmp_path / "f.jsonl")] == ["files"] and not (tmp_path / "f.jsonl.export.json").exists()
+
+
+def test_a_checkpoint_trained_on_exported_world_free_tasks_refuses_their_world_tasks(tmp_path):
+    """Leakage through the export: the manifest keeps the source scenario of a world-free task."""
+    from envace.envs.export import world_free_tasks
+    from envace.envs.tasks import builtin_tasks
+    from envace.manifest import build_manifest, overlap, write_manifest
+
+    train = builtin_tasks("train", 3, worlds=["bank"], difficulty=1)
+    free, _ = world_free_tasks(train)
+    write_manifest(build_manifest(free, None), tmp_path)
+    renamed = [dataclasses.replace(t, id=f"renamed-{i}") for i, t in enumerate(train)]
+    assert overlap(tmp_path, renamed) == [t.id for t in renamed]  # caught by scenario, not by id
+    assert overlap(tmp_path, builtin_tasks("test", 3, worlds=["bank"], difficulty=1)) == []

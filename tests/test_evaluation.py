@@ -99,3 +99,11 @@ def test_trajectory_json_writes_the_typed_fields():
     d = trajectory_json(traj)
     assert [c["status"] for c in d["tool_calls"]] == ["rehearsed", "unanswered"]
     assert (d["real_observations"], d["benchmark_record"], d["end_error"], d["user_source"]) == ([{"value": 2}], {"tool_log": []}, {"code": "NOT_JSON"}, "imagined")
+
+
+def test_eval_reads_weighted_rewards_and_their_judge_before_any_model_loads():
+    with pytest.raises(ConfigError, match=r"judge:0.5,reference:0.5 has a judge component: give --judge"):
+        build(EvalConfig, {"reward": "judge:0.5,reference:0.5"})
+    with pytest.raises(ConfigError, match="unknown reward 'nope'"):
+        build(EvalConfig, {"reward": "nope:1,reference:1"})
+    assert build(EvalConfig, {"reward": "reference:0.3,replay:0.7"}).reward_name == "reference:0.3,replay:0.7"

@@ -477,3 +477,51 @@ def test_a_truncated_rehearsal_ends_the_episode_without_penalty_in_both_layouts(
         assert traj.end_reason == EndReason.MAX_TURN_TOKENS, layout
         assert traj.penalties == {} and not any(t.malformed for t in traj.turns + [r for row in traj.side_rows for r in row.turns]), layout
         assert [c.status for c in traj.tool_calls] == [CallStatus.UNANSWERED], layout
+
+
+# ---- the recorded reference answers (world-free) -------------------------------------------
+
+
+def recorded_counter_task(**kw) -> Task:
+    """counter_task, world-free: its tools and a reference whose add(5) recorded {"value": 5}."""
+    reference = [
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"n": 5}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": '{"value": 5}'},
+        {"role": "assistant", "content": "The counter is 5."},
+    ]
+    return Task(id="free", world=None, messages=counter_task().messages, tools=Counter.tool_schemas(), documentation=Counter.description,
+                reference=reference, **kw)
+
+
+class NoWorlds(WorldEnvironment):
+    def make_world(self, task):
+        raise AssertionError("a world was made")
+
+
+def test_recorded_mode_answers_from_the_reference_in_the_real_mode_layout(tokenizer):
+    policy = ScriptedGenerator(tokenizer, agent)
+    [[recorded]] = RolloutEngine(policy, NoWorlds(), RolloutConfig(mode="recorded")).run([recorded_counter_task()], progress=False)
+    [[real]] = engine(tokenizer, "real")[0].run([counter_task()], progress=False)
+    assert recorded.token_ids == real.token_ids and recorded.roles == real.roles  # forced ENV tokens, as in real mode
+    assert [c.status for c in recorded.tool_calls] == [CallStatus.REFERENCE] and recorded.real_env_calls == 0
+    # A call the reference never made is answered with an error, not an invented response.
+    [[other]] = RolloutEngine(ScriptedGenerator(tokenizer, lambda t: "ok" if "<|im_start|>tool" in t else '<tool_call>{"name": "get", "arguments": {}}</tool_call>'),
+                              NoWorlds(), RolloutConfig(mode="recorded")).run([recorded_counter_task()], progress=False)
+    assert other.observations[0]["error"]["code"] == "NOT_RECORDED" and other.tool_calls[0].status == CallStatus.UNRECORDED
+
+
+def test_isolated_grounding_comes_from_the_recorded_reference_without_a_world(tokenizer):
+    seen = []
+
+    def simulator(text):
+        seen.append(text)
+        return '{"value": 5}' if "precise tool simulator" in text or "Simulate" in text else agent(text)
+
+    policy = ScriptedGenerator(tokenizer, simulator)
+    cfg = RolloutConfig(mode="rehearse", rehearse_layout="isolated", grounding=True)
+    [[traj]] = RolloutEngine(policy, NoWorlds(), cfg).run([recorded_counter_task()], progress=False)
+    assert traj.grounding_calls == 0 and traj.observations == [{"value": 5}]
+    assert any('{"value": 5}' in t and '"n": 5' in t and "add" in t for t in seen if "Simulate" in t or "simulator" in t)
+    # A world task without a recorded reference grounds by executing its reference calls, counted.
+    [[world_traj]] = RolloutEngine(ScriptedGenerator(tokenizer, simulator), WorldEnvironment(), cfg).run([counter_task()], progress=False)
+    assert world_traj.grounding_calls == 1

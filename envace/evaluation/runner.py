@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any, Iterator, Literal
 
 from envace import config as cfgmod
+from envace.backends.open import check_models, is_url, open_generator
 from envace.benchmarks import BENCHMARKS, Benchmark, BenchmarkDependencyError
 from envace.config import ConfigError, field
 from envace.evaluation.report import print_summary, write_summary
 from envace.metrics import summarize_by, summarize_records, trajectory_record
-from envace.rewards import REWARDS, Context, compute_rewards
+from envace.rewards import Context, check_reward_spec, compute_rewards
 from envace.rollout import RolloutConfig, RolloutEngine
 from envace.types import Task, Trajectory
 
@@ -80,13 +81,15 @@ class EvalConfig:
         if (self.rollout.mode == "simulator") != bool(self.simulator):
             raise ConfigError("--mode simulator needs --simulator MODEL (the frozen simulator)" if self.simulator is None else
                               f"--simulator is read by --mode simulator only; drop it for --mode {self.rollout.mode}")
-        if self.reward_name == "judge" and not self.judge:
-            raise ConfigError("--reward judge needs --judge MODEL")
-        if self.reward_name not in REWARDS and ":" not in self.reward_name:
-            raise ConfigError(f"unknown reward {self.reward_name!r}; known: {', '.join(REWARDS.names())} or module:function")
+        try:
+            rewards = [name for name, _ in check_reward_spec(self.reward_name)]
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if "judge" in rewards and not self.judge:
+            raise ConfigError(f"--reward {self.reward_name} has a judge component: give --judge MODEL (a local model spec or an http(s):// URL)")
         self._validate_benchmark()
         judged = [name for name in BENCHMARKS.names() if BENCHMARKS.get(name).uses_judge]
-        if self.judge and self.reward_name != "judge" and self.benchmark not in (*judged, "all"):
+        if self.judge and "judge" not in rewards and self.benchmark not in (*judged, "all"):
             raise ConfigError(f"--judge is read by --reward judge and by the LLM-judged benchmarks ({', '.join(judged)}, or all); "
                               f"here it would be unused: add --reward judge or drop --judge")
         for name in ("k", "n_per_world", "n", "memory_tokens"):
@@ -127,15 +130,33 @@ class EvalConfig:
 def load_eval_tasks(cfg: EvalConfig) -> list[Task]:
     """Tasks and their environment, resolved and validated before any model is loaded."""
     from envace.envs import get_world
-    from envace.envs.tasks import builtin_tasks, load_tasks
+    from envace.envs.tasks import builtin_tasks, load_tasks, require_worlds
 
     if cfg.tasks:
         tasks = load_tasks(cfg.tasks)
+        require_worlds(tasks, world_needs(cfg))
     else:
         for w in cfg.worlds:
             get_world(w)  # an unknown world fails here, by name
         tasks = builtin_tasks(cfg.split, cfg.n_per_world, worlds=cfg.worlds or None, difficulty=cfg.difficulty, seed=cfg.seed)
     return tasks[: cfg.limit] if cfg.limit else tasks
+
+
+def world_needs(cfg: EvalConfig) -> dict[str, str]:
+    """The options in use that need an executable world, each with what world-free tasks can use instead."""
+    from envace.rewards import parse_reward_spec
+
+    needs = {}
+    if cfg.rollout.mode == "real":
+        needs["--mode real (the default)"] = "use --mode rehearse"
+    if "replay" in [name for name, _ in parse_reward_spec(cfg.reward_name)]:
+        default = " (the default)" if cfg.reward is None else ""
+        needs[f"--reward {cfg.reward_name}{default}"] = "use --reward judge --judge MODEL, --reward reference, or module:function"
+    if cfg.rehearsal != "none":
+        needs[f"--rehearsal {cfg.rehearsal} (it commits in the real world)"] = "drop --rehearsal"
+    if cfg.guard is not None:
+        needs[f"--guard {cfg.guard}"] = "drop --guard"
+    return needs
 
 
 def evaluate(engine: RolloutEngine, tasks: list[Task], reward: str, ctx: Context, k: int = 1, progress: bool = True, desc: str = "eval") -> tuple[list[list[Trajectory]], list[dict[str, Any]]]:
@@ -175,28 +196,6 @@ def write_trajectories(path: Path, groups: list[list[Trajectory]]) -> None:
         for group in groups:
             for traj in group:
                 f.write(json.dumps(trajectory_json(traj)) + "\n")
-
-
-def is_url(spec: str) -> bool:
-    return spec.startswith(("http://", "https://"))
-
-
-def check_models(*specs: str | None) -> None:
-    """Fail on a bad local model spec before any work starts (URLs are checked when opened)."""
-    from envace.backends.models import check_model_spec
-
-    for spec in specs:
-        if spec and not is_url(spec):
-            check_model_spec(spec)
-
-
-def open_generator(spec: str, seed: int, tokenizer: str | None = None, api_model: str | None = None) -> Any:
-    """A local model or an OpenAI-compatible server (whose tokenizer must be given or be the default's)."""
-    from envace.backends import load_tokenizer, make_generator
-
-    if is_url(spec):
-        return make_generator(spec, tokenizer=load_tokenizer(tokenizer or "default"), model=api_model)
-    return make_generator(spec, seed=seed)
 
 
 def make_guard(cfg: EvalConfig, policy: Any, env: Any) -> Any:

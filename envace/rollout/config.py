@@ -9,12 +9,13 @@ from typing import Literal
 
 from envace.config import ConfigError, field
 
-Mode = Literal["real", "rehearse", "simulator"]
+# recorded: the task's recorded reference answers (world-free SFT data, in the real-mode layout).
+Mode = Literal["real", "rehearse", "simulator", "recorded"]
 
 
 @dataclass
 class RolloutConfig:
-    mode: Mode = field("real", help="who answers tool calls: the real world, the policy itself (rehearse), or a frozen simulator")
+    mode: Mode = field("real", help="who answers tool calls: the real world, the policy itself (rehearse), a frozen simulator, or the task's recorded reference (recorded)")
     rehearse_layout: Literal["transcript", "isolated"] = field(
         "transcript", help="REHEARSE in the agent's transcript (one row per trajectory) or from a separate simulator prompt (one row per output)")
     max_turns: int = field(8, help="ACT turns per trajectory (tasks with their own limit per user turn, e.g. BFCL multi-turn's 20, use theirs)")

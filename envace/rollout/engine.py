@@ -28,7 +28,7 @@ from envace.envs.base import ToolWorld
 from envace.parsing import ParseError, parse_act
 from envace.rollout.config import RolloutConfig
 from envace.rollout.episode import Episode, EpisodeWriter
-from envace.rollout.responders import CallGuard, GuardDecision, IsolatedSimulator, RealWorld, ToolResponder, TranscriptRehearsal
+from envace.rollout.responders import CallGuard, GuardDecision, IsolatedSimulator, RealWorld, RecordedReference, ToolResponder, TranscriptRehearsal
 from envace.rollout.users import ImaginedUser, ReplayedUser, SimulatedUser, UserChannel, UserSimulator
 from envace.transcript import Transcript, compact_json, tool_signature
 from envace.types import CallStatus, EndReason, Role, Task, ToolCall, Trajectory, Turn
@@ -69,8 +69,9 @@ class RolloutEngine:
         eos = policy.tokenizer.eos_token_id
         self.writer = EpisodeWriter(self.config, self.transcript, (eos,) if eos is not None else ())
         self.responder = self._responder(simulator, guard)
-        # Off real mode the model that writes the tools' responses imagines the user as well.
-        self._imagined_user = None if self.config.mode == "real" else ImaginedUser(simulator or policy, self.transcript, self.config.max_turn_tokens)
+        # Off real mode the model that writes the tools' responses imagines the user as well
+        # (recorded mode replays the reference's user turns: its tasks have no simulated user).
+        self._imagined_user = None if self.config.mode in ("real", "recorded") else ImaginedUser(simulator or policy, self.transcript, self.config.max_turn_tokens)
         self.user_simulator = user_simulator  # None: the Environment's own `user_simulator`, if any
 
     def _responder(self, simulator: Generator | None, guard: CallGuard | None) -> ToolResponder:
@@ -81,6 +82,8 @@ class RolloutEngine:
             raise ValueError("a pre-commit guard protects real calls: use it in mode 'real'")
         if cfg.mode == "real":
             return RealWorld(self.writer, guard)
+        if cfg.mode == "recorded":
+            return RecordedReference(self.writer)
         if cfg.mode == "rehearse" and cfg.rehearse_layout == "transcript":
             if simulator is not None:
                 raise ValueError("a separate rehearser needs rehearse_layout='isolated' (it cannot share the agent's transcript)")

@@ -5,6 +5,8 @@
   TranscriptRehearsal the policy writes the response in the agent's own transcript (REHEARSE)
   IsolatedSimulator   a fresh simulator prompt per call: the policy (REHEARSE, one training row
                       per answer, `Trajectory.side_rows`) or a frozen external simulator
+  RecordedReference   the response recorded in the task's reference trajectory (forced, as in
+                      real mode): world-free SFT data, and an oracle-tools evaluation
 
 Each `answer(episodes)` answers the first queued call of every given episode, batched where a
 model writes the answers; the engine calls it until no episode has a call waiting.
@@ -17,6 +19,7 @@ from typing import Any, Literal, Protocol
 
 from envace.backends.base import Generator
 from envace.parsing import ParseError, parse_rehearsal
+from envace.references import call_key, recorded_exchanges
 from envace.rollout.episode import Episode, EpisodeWriter
 from envace.transcript import Transcript, simulator_messages
 from envace.types import CallStatus, EndReason, Role, Task, ToolCall, Trajectory, Turn
@@ -65,6 +68,38 @@ class RealWorld:
             self.writer.tool_turn(ep, {"error": {"code": "NOT_EXECUTED", "message": decision.reason}}, CallStatus.REVISED)
             return False
         return True
+
+
+class RecordedReference:
+    """Answers each call with the response the task's reference recorded for the same call (name
+    and arguments; the k-th identical call gets the k-th recorded response). A call the reference
+    never made gets an UNRECORDED error: nothing can say what the world would have returned."""
+
+    def __init__(self, writer: EpisodeWriter):
+        self.writer = writer
+        self._recorded: dict[str, dict[str, list[dict[str, Any]]]] = {}
+
+    def answer(self, episodes: list[Episode]) -> None:
+        for ep in episodes:
+            call = ep.queue[0]
+            key = call_key(call.name, call.arguments)
+            responses = self._responses(ep.task).get(key, [])
+            used = sum(1 for c in ep.traj.tool_calls if c.status == CallStatus.REFERENCE and call_key(c.name, c.arguments) == key)
+            if used < len(responses):
+                self.writer.tool_turn(ep, responses[used], CallStatus.REFERENCE)
+            else:
+                message = f"the reference trajectory recorded no response to this {call.name} call"
+                self.writer.tool_turn(ep, {"error": {"code": "NOT_RECORDED", "message": message}}, CallStatus.UNRECORDED)
+
+    def _responses(self, task: Task) -> dict[str, list[dict[str, Any]]]:
+        if task.id not in self._recorded:
+            if not task.reference:
+                raise ValueError(f"task {task.id} has no recorded reference: mode 'recorded' answers from Task.reference")
+            by_call: dict[str, list[dict[str, Any]]] = {}
+            for c, response in recorded_exchanges(task.reference):
+                by_call.setdefault(call_key(c["name"], c["arguments"]), []).append(response)
+            self._recorded[task.id] = by_call
+        return self._recorded[task.id]
 
 
 class TranscriptRehearsal:
@@ -145,16 +180,24 @@ class IsolatedSimulator:
         ep.traj.side_rows.append(row)
         return output
 
-    def _grounding(self, task: Task) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-        """Privileged (call, true result) pairs: the task's reference calls run on a fresh world,
-        as the reference implementation grounds its simulator in the reference trajectory."""
+    def _grounding(self, ep: Episode) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+        """Privileged (call, true result) pairs, as the reference implementation grounds its
+        simulator in the reference trajectory: the task's recorded reference, else (a world task
+        without one) its reference calls run once on a fresh world, charged to the trajectory
+        that needed them (`Trajectory.grounding_calls`)."""
+        task = ep.task
         if task.id not in self._grounding_cache:
-            world = self.env.make_world(task)
-            self._grounding_cache[task.id] = [(c, world.call(c["name"], c.get("arguments", {}))) for c in task.reference_calls]
+            if task.reference:
+                pairs = recorded_exchanges(task.reference)
+            else:
+                world = self.env.make_world(task)
+                pairs = [(c, world.call(c["name"], c.get("arguments", {}))) for c in task.reference_calls]
+                ep.traj.grounding_calls += len(pairs)
+            self._grounding_cache[task.id] = pairs
         return self._grounding_cache[task.id]
 
     def _chat(self, ep: Episode) -> list[dict[str, Any]]:
         history = [(c, o) for c, o in zip(ep.traj.tool_calls, ep.traj.observations)]
-        grounding = self._grounding(ep.task) if self.grounding else None
+        grounding = self._grounding(ep) if self.grounding else None
         task_text = next((m["content"] for m in ep.task.messages if m["role"] == "user"), "")
         return simulator_messages(ep.description, ep.tools, history, ep.queue[0], task_text, grounding)

@@ -1,9 +1,12 @@
-"""`envace sft`: warm start on trajectories executed in the real world.
+"""`envace sft`: warm start on reference trajectories.
 
-The task's reference calls are replayed through the real rollout engine (a scripted policy
-emits them, the executable world answers), so the data has exactly the token layout the policy
-sees later. ACT tokens learn the calls and the answer; the real tool responses (ENV tokens)
-train the REHEARSE role: the model learns to predict what the world returns.
+The task's reference is replayed through the rollout engine (a scripted policy emits the
+expert's messages), so the data has exactly the token layout the policy sees later. The tool
+responses come from the task's recorded `reference` (mode "recorded": no world runs) or, for a
+world task without one, from executing the reference calls in its world (real mode, then the
+replay reward keeps only the trajectories that verify). ACT tokens learn the calls and the
+answer; the tool responses (forced ENV tokens) train the REHEARSE role: the model learns to
+predict what the world returns. Both sources give the same tokens for the same responses.
 """
 
 from __future__ import annotations
@@ -17,16 +20,18 @@ import torch
 from tqdm.auto import tqdm
 
 from envace import config as cfgmod
+from envace.accounting import WorldExecutions, task_data_executions
 from envace.algorithms.losses import Row, sequence_logprobs
 from envace.backends.scripted import ScriptedGenerator, sequence_reply
 from envace.config import ConfigError, field
-from envace.manifest import build_manifest, write_manifest
+from envace.manifest import build_manifest, with_executions, write_manifest
+from envace.references import expert_replies
 from envace.rewards import Context, compute_rewards
 from envace.rollout import RolloutConfig, RolloutEngine
 from envace.training.setup import (TrainingOptions, backward_micro_batches, check_resume, load_trainable, make_accelerator, make_optimizer,
                                    global_sum, make_scheduler, seed_everything, shared_run_dir)
 from envace.transcript import compact_json
-from envace.types import Role, Task, Trajectory
+from envace.types import CallStatus, EndReason, Role, Task, Trajectory
 
 TRAIN_ROLES = {"act": (Role.ACT,), "act+env": (Role.ACT, Role.ENV)}
 
@@ -55,28 +60,43 @@ class SFTConfig(TrainingOptions):
 
 
 def reference_replies(task: Task) -> list[str]:
-    """What an expert writes on each ACT turn: one reference call per turn, then the answer."""
+    """What an expert writes on each ACT turn: the recorded reference's messages, else one
+    reference call per turn, then the answer."""
+    if task.reference:
+        return expert_replies(task.reference)
     if not task.reference_calls:
-        raise ValueError(f"task {task.id} has no reference_calls; SFT needs them")
+        raise ValueError(f"task {task.id} has no reference or reference_calls; SFT needs one")
     calls = [f"<tool_call>{compact_json({'name': c['name'], 'arguments': c.get('arguments', {})})}</tool_call>" for c in task.reference_calls]
     return calls + [str(task.metadata.get("reference_answer", "Done."))]
 
 
-def reference_trajectories(tasks: list[Task], tokenizer: Any, env: Any, max_total_tokens: int) -> tuple[list[Trajectory], int]:
-    """Replay each task's reference through the engine in real mode; keep those that verify.
-    Returns (trajectories, number dropped)."""
-    kept, dropped = [], 0
-    config = RolloutConfig(mode="real", max_turns=len(max(tasks, key=lambda t: len(t.reference_calls)).reference_calls) + 1,
-                           max_turn_tokens=max_total_tokens, max_total_tokens=max_total_tokens)
+def reference_trajectory(task: Task, tokenizer: Any, env: Any, max_total_tokens: int) -> tuple[Trajectory, bool]:
+    """(the task's reference replayed through the engine, whether it is good training data): a
+    recorded reference must replay to its answer with every call answered from the record; an
+    executed one must verify (replay reward 1.0)."""
+    replies = reference_replies(task)
+    mode = "recorded" if task.reference else "real"
+    config = RolloutConfig(mode=mode, max_turns=len(replies), max_turn_tokens=max_total_tokens, max_total_tokens=max_total_tokens)
+    [[traj]] = RolloutEngine(ScriptedGenerator(tokenizer, sequence_reply(replies)), env, config).run([task], progress=False)
+    if mode == "recorded":
+        return traj, traj.end_reason == EndReason.ANSWERED and all(c.status == CallStatus.REFERENCE for c in traj.tool_calls)
+    compute_rewards("replay", [[traj]], [task], Context(env=env))
+    return traj, traj.reward == 1.0
+
+
+def reference_trajectories(tasks: list[Task], tokenizer: Any, env: Any, max_total_tokens: int) -> tuple[list[Trajectory], int, WorldExecutions]:
+    """Every task's reference trajectory that is good training data, the number dropped, and the
+    world executions it took (all of them: dropped trajectories' and verification replays too)."""
+    kept, dropped, executions = [], 0, WorldExecutions()
     for task in tasks:
-        policy = ScriptedGenerator(tokenizer, sequence_reply(reference_replies(task)))
-        [[traj]] = RolloutEngine(policy, env, config).run([task], progress=False)
-        compute_rewards("replay", [[traj]], [task], Context(env=env))
-        if traj.reward == 1.0:
+        traj, good = reference_trajectory(task, tokenizer, env, max_total_tokens)
+        used = WorldExecutions.of([traj])
+        executions.sft_data += used.total
+        if good:
             kept.append(traj)
         else:
             dropped += 1
-    return kept, dropped
+    return kept, dropped, executions
 
 
 def sft_rows(trajectories: list[Trajectory], roles: tuple[Role, ...]) -> list[Row]:
@@ -119,7 +139,8 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
     resume_from = check_resume(out, cfg, cfg.resume)
     seed_everything(cfg.seed)
     model, tokenizer = load_trainable(cfg.model, cfg.lora_r, cfg.lora_alpha, accelerator.device, tiny=cfg.tiny)
-    data, dropped = reference_trajectories(tasks, tokenizer, WorldEnvironment(), cfg.max_total_tokens)
+    data, dropped, executions = reference_trajectories(tasks, tokenizer, WorldEnvironment(), cfg.max_total_tokens)
+    executions.task_data = task_data_executions(cfg.tasks)
     if not data:
         raise ConfigError("no reference trajectory verified: the tasks' reference_calls do not solve them")
     rows = sft_rows(data, TRAIN_ROLES[cfg.train_roles])
@@ -130,7 +151,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
     step = 0
     if resume_from is not None:
         step = load_checkpoint(resume_from, {"policy": accelerator.unwrap_model(model)}, {"policy": optimizer}, {"policy": scheduler}).step
-    manifest = build_manifest(tasks, None, sft_dropped=dropped)
+    manifest = with_executions(build_manifest(tasks, None, sft_dropped=dropped), executions)
     logger = None
     if main:
         cfgmod.save(cfg, out / "config.yaml")
@@ -160,9 +181,10 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
             accelerator.wait_for_everyone()
     bar.close()
     final = out / "final"
-    # The warm start's data come from the real world: count its calls as the RL variants count theirs.
+    # Every world execution that made the data, as the RL variants count theirs (0 when every
+    # task carries a recorded reference, apart from what recording the task file took).
     result = {"run_dir": str(out), "final_model": str(final), "examples": len(rows), "dropped": dropped, "steps": total_steps,
-              "real_env_calls": sum(len(t.tool_calls) for t in data)}
+              "world_executions": executions.as_dict()}
     if main:
         logger.close()
         export = accelerator.unwrap_model(model)

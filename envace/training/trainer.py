@@ -29,9 +29,11 @@ from envace import config as cfgmod
 from envace.algorithms import ADVANTAGES, group_metrics
 from envace.algorithms.losses import build_rows, ppo_loss, sequence_logprobs
 from envace.config import ConfigError, field
-from envace.manifest import build_manifest, write_manifest
+from envace.accounting import WorldExecutions, task_data_executions
+from envace.manifest import build_manifest, inherited_executions, with_executions, write_manifest
 from envace.metrics import summarize_records, trajectory_record
-from envace.rewards import REWARDS, Context, compute_rewards
+from envace.backends.open import check_models, open_generator
+from envace.rewards import Context, check_reward_spec, compute_rewards
 from envace.rollout import RolloutConfig, RolloutEngine
 from envace.training.variants import VARIANTS, variants_help
 from envace.training.setup import (TrainingOptions, backward_micro_batches, check_resume, load_trainable, make_accelerator, make_optimizer,
@@ -60,7 +62,8 @@ class TrainConfig(TrainingOptions):
     real_fraction: float = field(0.0, help="share of tasks rolled out against the real world in rehearse variants")
     rollout: RolloutConfig = field(default_factory=train_rollout, help="how the step's trajectories roll out",
                                    hidden={"mode": "the variant decides who answers tool calls (--variant)"})
-    reward: str = field("replay", help="reward: replay | reference | module:function")
+    reward: str = field("replay", help="reward: replay | reference | judge | module:function, or a weighted sum of them: judge:0.7,reference:0.3")
+    judge: str | None = field(None, help="judge model for a reward with a judge component: a local model spec or an http(s):// OpenAI-compatible URL")
     advantage: str = field("role_grpo", help="advantage estimator: role_grpo | grpo | module:function")
     normalize_std: bool = field(False, help="divide advantages by the group std")
     penalty: float = field(-0.1, help="added to the reward of a malformed/empty output")
@@ -109,10 +112,7 @@ class TrainConfig(TrainingOptions):
             check_model_spec(self.simulator_model)
 
     def _validate_objective(self) -> None:
-        if self.reward == "judge":
-            raise ConfigError("--reward judge: training has no judge model yet; use --reward replay (the default), reference, or module:function")
-        if self.reward not in REWARDS and ":" not in self.reward:
-            raise ConfigError(f"unknown reward {self.reward!r}; known: {', '.join(REWARDS.names())} or module:function")
+        self._validate_reward()
         if self.advantage not in ADVANTAGES and ":" not in self.advantage:
             raise ConfigError(f"unknown advantage {self.advantage!r}; known: {', '.join(ADVANTAGES.names())} or module:function")
         if not 0 < self.clip_eps < 1:
@@ -121,6 +121,17 @@ class TrainConfig(TrainingOptions):
             raise ConfigError(f"dual_clip must be > 1 (a negative advantage's loss is capped at dual_clip times it), or null for off; got {self.dual_clip}")
         if self.kl_coef < 0:
             raise ConfigError(f"kl_coef must be >= 0 (0 = off), got {self.kl_coef}")
+
+    def _validate_reward(self) -> None:
+        try:
+            names = [name for name, _ in check_reward_spec(self.reward)]
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if "judge" in names and not self.judge:
+            raise ConfigError(f"--reward {self.reward} has a judge component: give --judge MODEL (a local model spec or an http(s):// URL)")
+        if self.judge and "judge" not in names:
+            raise ConfigError(f"--judge is read by the judge reward only; add it to --reward (e.g. --reward judge:0.5,{self.reward}:0.5) or drop --judge")
+        check_models(self.judge)
 
     def _validate_sampling(self) -> None:
         # The backend records, and the update recomputes, log-probabilities of the untempered,
@@ -133,13 +144,30 @@ class TrainConfig(TrainingOptions):
 
 def load_train_tasks(cfg: TrainConfig) -> list[Task]:
     from envace.envs import get_world
-    from envace.envs.tasks import builtin_tasks, load_tasks
+    from envace.envs.tasks import builtin_tasks, load_tasks, require_worlds
 
     if cfg.tasks:
-        return load_tasks(cfg.tasks)
+        tasks = load_tasks(cfg.tasks)
+        require_worlds(tasks, world_needs(cfg))
+        return tasks
     for w in cfg.worlds:
         get_world(w)
     return builtin_tasks("train", cfg.n_per_world, worlds=cfg.worlds or None, difficulty=cfg.difficulty, seed=cfg.seed)
+
+
+def world_needs(cfg: TrainConfig) -> dict[str, str]:
+    """The options in use that need an executable world, each with what world-free tasks can use instead."""
+    from envace.rewards import parse_reward_spec
+
+    needs = {}
+    if VARIANTS.get(cfg.variant).rollout_mode == "real":
+        needs[f"--variant {cfg.variant}"] = "use a rehearse variant such as --variant envace"
+    if "replay" in [name for name, _ in parse_reward_spec(cfg.reward)]:
+        default = " (the default)" if cfg.reward == "replay" else ""
+        needs[f"--reward {cfg.reward}{default}"] = "pass --reward judge, reference or module:function"
+    if cfg.real_fraction > 0:
+        needs[f"--real-fraction {cfg.real_fraction}"] = "use --real-fraction 0"
+    return needs
 
 
 class TaskStream:
@@ -203,11 +231,11 @@ class Trainer:
         resume_from = check_resume(self.dir, cfg, cfg.resume)
         seed_everything(cfg.seed)
         self.models, self.tokenizer = self._build_models()
+        self.judge = open_generator(cfg.judge, cfg.seed) if cfg.judge else None  # frozen, for the judge reward
         self.step = 0
         self.stream = TaskStream(self.tasks, cfg.seed)
-        # Executions in a real world, by purpose: while rolling out, and after it to verify
-        # (reward replays, fidelity references). Totals over the run, checkpointed.
-        self.world_calls = {"rollout": 0, "verification": 0}
+        # This run's executions in a real world, by purpose (envace/accounting.py); checkpointed.
+        self.world_calls = WorldExecutions()
         if resume_from is not None:
             self._resume(resume_from)
         self.manifest = build_manifest(self.tasks, cfg.init_from)
@@ -257,7 +285,8 @@ class Trainer:
         state = load_checkpoint(path, self._unwrapped(), self.models.optimizers, self.models.schedulers)
         self.step = state.step
         self.stream = TaskStream(self.tasks, self.cfg.seed, **state.data_state["stream"])
-        self.world_calls = {"rollout": state.data_state.get("real_env_calls", 0), "verification": state.data_state.get("verification_calls", 0)}
+        # Checkpoints from before the purposes were split hold the rollout count only.
+        self.world_calls = WorldExecutions.from_dict(state.data_state.get("world_executions") or {"rollout": state.data_state.get("real_env_calls", 0)})
 
     def _generator(self, model: Any, stream: str) -> Any:
         from envace.backends.hf import HFGenerator
@@ -336,16 +365,16 @@ class Trainer:
         return sums | {"grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0], "trained_tokens": float(total), "skipped_update": 0.0}
 
     def score(self, tasks: list[Task], groups: list[list[Trajectory]]) -> dict[str, float]:
-        compute_rewards(self.cfg.reward, groups, tasks, Context(env=self.env))
+        compute_rewards(self.cfg.reward, groups, tasks, Context(env=self.env, judge=self.judge))
         records = [trajectory_record(t, tr) for t, g in zip(tasks, groups) for tr in g]
         summary = summarize_records(records)
-        step_calls = {purpose: int(global_sum(self.accelerator, summary[key])) for purpose, key in (("rollout", "real_env_calls"), ("verification", "verification_calls"))}
-        for purpose, n in step_calls.items():
-            self.world_calls[purpose] += n
+        local = WorldExecutions.of(tr for g in groups for tr in g).as_dict()
+        step_calls = WorldExecutions.from_dict({k: global_sum(self.accelerator, v) for k, v in local.items()})
+        self.world_calls += step_calls
         keys = ("success_rate", "mean_reward", "tokens_per_task", "malformed", "tool_exceptions", "fidelity/exact", "fidelity/field_f1", "fidelity/calls")
-        out = {k if k != "mean_reward" else "reward/mean": summary[k] for k in keys if k in summary}
-        return out | {"env/real_calls_step": step_calls["rollout"], "env/real_calls_total": self.world_calls["rollout"],
-                      "env/verification_calls_step": step_calls["verification"], "env/verification_calls_total": self.world_calls["verification"]}
+        out = {k if k != "mean_reward" else "reward/mean": summary[k] for k in keys if k in summary} | reward_component_means(groups)
+        # Step and run totals per purpose (env/<purpose>_step, env/<purpose>_total); global already.
+        return out | {f"env/{k}_{span}": v for span, calls in (("step", step_calls), ("total", self.world_calls)) for k, v in calls.as_dict().items()}
 
     def _global_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """One value per metric over all processes: counts are summed, the rest averaged."""
@@ -377,7 +406,7 @@ class Trainer:
 
         if self.accelerator.is_main_process:
             save_checkpoint(self.dir, self.step, self._unwrapped(), self.models.optimizers, self.models.schedulers,
-                            data_state={"stream": self.stream.state(), "real_env_calls": self.world_calls["rollout"], "verification_calls": self.world_calls["verification"]},
+                            data_state={"stream": self.stream.state(), "world_executions": self.world_calls.as_dict()},
                             config=cfgmod.to_dict(self.cfg), keep_last=self.cfg.keep_last)
         self.accelerator.wait_for_everyone()
 
@@ -391,8 +420,13 @@ class Trainer:
             model = copy.deepcopy(model).merge_and_unload()
         model.save_pretrained(out)
         self.tokenizer.save_pretrained(out)
-        write_manifest(self.manifest, out)
+        write_manifest(with_executions(self.manifest, self.chain_executions()), out)
         return out
+
+    def chain_executions(self) -> WorldExecutions:
+        """Every world execution behind the final model: the warm start's chain (its manifest),
+        recording the task file (its export sidecar), and this run's."""
+        return inherited_executions(self.cfg.init_from) + WorldExecutions(task_data=task_data_executions(self.cfg.tasks)) + self.world_calls
 
     def fit(self) -> dict[str, Any]:
         main = self.accelerator.is_main_process
@@ -404,7 +438,7 @@ class Trainer:
             bar.set_postfix({k: round(last[k], 3) for k in ("success_rate", "reward/mean") if k in last})
         bar.close()
         result = {"run_dir": str(self.dir), "final_model": str(self.dir / "final"), "plots": [], "last_metrics": last,
-                  "real_env_calls": self.world_calls["rollout"], "verification_calls": self.world_calls["verification"]}
+                  "world_executions": self.world_calls.as_dict(), "chain_world_executions": self.chain_executions().as_dict()}
         if main:
             from envace.training.plots import plot_metrics
 
@@ -429,11 +463,18 @@ def sampling_seed(seed: int, step: int, process: int, stream: str) -> int:
     return int(np.random.SeedSequence(entropy).generate_state(1, dtype=np.uint64)[0])
 
 
+def reward_component_means(groups: list[list[Trajectory]]) -> dict[str, float]:
+    """`reward/<name>`: the step's mean of each component of a weighted reward (none otherwise)."""
+    trajs = [t for g in groups for t in g]
+    names = sorted({name for t in trajs for name in t.reward_components})
+    return {f"reward/{name}": sum(t.reward_components[name] for t in trajs) / len(trajs) for name in names}
+
+
 def is_count(metric: str) -> bool:
     """Metrics that count this process's things (tokens trained, malformed outputs), summed over
-    processes; `trained_tokens` and `env/real_calls_*` are global already, and the rest are means."""
+    processes; `trained_tokens` and `env/*` are global already, and the rest are means."""
     parts = metric.split("/")
-    return metric in ("malformed", "fidelity/calls") or (len(parts) > 1 and parts[1] == "tokens")
+    return metric in ("malformed", "tool_exceptions", "fidelity/calls") or (len(parts) > 1 and parts[1] == "tokens")
 
 
 def _token_key(metric: str) -> str:
@@ -444,5 +485,5 @@ def _token_key(metric: str) -> str:
 
 def run_train(cfg: TrainConfig) -> dict[str, Any]:
     result = Trainer(cfg).fit()
-    print(json.dumps({k: result[k] for k in ("run_dir", "final_model", "real_env_calls", "verification_calls")}, indent=2))
+    print(json.dumps({k: result[k] for k in ("run_dir", "final_model", "world_executions", "chain_world_executions")}, indent=2))
     return result
