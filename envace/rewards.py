@@ -121,8 +121,10 @@ def multiset_f1(predicted: list[str], reference: list[str]) -> tuple[float, floa
 
 @REWARDS.register("reference")
 def reference_reward(task: Task, traj: Trajectory, ctx: Context) -> RewardResult:
-    if not task.reference_calls:
-        raise ValueError(f"task {task.id} has no reference_calls; the 'reference' reward needs them")
+    # A recorded reference that makes no call (e.g. a request the agent must refuse) is a
+    # reference too: calling nothing then scores 1 (prf of two empty sides), calling anything 0.
+    if not task.reference_calls and task.reference is None:
+        raise ValueError(f"task {task.id} has no reference_calls or reference; the 'reference' reward needs one")
     ref = task.reference_calls
     name_p, name_r, name_f1 = multiset_f1([c.name for c in traj.tool_calls], [c["name"] for c in ref])
     call_p, call_r, call_f1 = multiset_f1([_canonical(c) for c in traj.tool_calls], [_canonical(c) for c in ref])

@@ -132,6 +132,14 @@ class Task:
     # Free-form data for the task's own world or benchmark scorer; envace's stages never read it.
     metadata: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # A recorded reference is the source of the reference calls when none are given (the
+        # task-file loader also checks that given ones agree with it).
+        if self.reference and not self.reference_calls:
+            from envace.references import reference_calls
+
+            self.reference_calls = [{"name": c["name"], "arguments": c["arguments"]} for c in reference_calls(self.reference)]
+
 
 @dataclass
 class Turn:

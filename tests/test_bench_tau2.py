@@ -224,3 +224,21 @@ def test_the_manifest_keeps_test_tasks_out_and_catches_base_and_slipped_in_tasks
     leaky = tmp_path / "leaky"
     write_manifest(build_manifest(conversion.tasks + [slipped], None), leaky)
     assert overlap(leaky, eval_tasks["test"]) == [eval_tasks["test"][0].id]
+
+
+def test_converted_train_tasks_train_a_grpo_step_with_no_world(tmp_path, conversion):
+    """The converter's output trains: one rehearsal GRPO step (tiny model) on converted tasks with
+    the world-free reference reward, and no tau2 environment runs during training."""
+    from envace.config import build
+    from envace.envs.tasks import save_tasks
+    from envace.training.trainer import Trainer, TrainConfig
+
+    path = tmp_path / "tau2-train.jsonl"
+    save_tasks(conversion.tasks[:2], path)
+    trainer = Trainer(build(TrainConfig, dict(tiny=True, tasks=str(path), reward="reference", steps=1, tasks_per_step=2, k=2, max_turns=2,
+                                              max_turn_tokens=8, max_rehearse_tokens=8, max_total_tokens=4096, output_dir=str(tmp_path / "run"),
+                                              progress=False, tensorboard=False)))
+    metrics = trainer.train_step()
+    trainer.logger.close()
+    assert metrics["policy/trained_tokens"] > 0
+    assert all(metrics[f"env/{p}_total"] == 0 for p in ("rollout", "verification", "grounding", "sft_data"))

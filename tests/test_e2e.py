@@ -35,5 +35,37 @@ def test_every_variant_trains_a_step_on_the_default_model(tmp_path, variant):
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert metrics[-1]["step"] == 1
     if variant != "real-grpo":
-        assert metrics[-1]["env/real_calls_total"] == 0
+        assert metrics[-1]["env/rollout_total"] == 0
     assert (tmp_path / "final" / "model.safetensors").is_file()
+
+
+@pytest.fixture(scope="module")
+def world_free_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("world-free") / "tasks.jsonl"
+    assert main(["tasks", "--split", "train", "--n-per-world", "1", "--difficulty", "1", "--no-world", "--output", str(path)]) == 0
+    return str(path)
+
+
+def test_world_free_tasks_warm_start_train_and_evaluate_with_no_world(tmp_path, world_free_file):
+    """The paper's setting end to end on the default model: world-free tasks (recorded references
+    only), SFT on them, one GRPO step of every rehearse variant with a world-free reward, and a
+    rehearse-mode evaluation; not one real-world execution after the export recorded the tasks."""
+    limits = ["--max-turns", "2", "--max-turn-tokens", "24", "--max-rehearse-tokens", "24"]
+    quiet = ["--no-progress", "--no-tensorboard"]
+    sft = tmp_path / "sft"
+    assert main(["sft", "--tasks", world_free_file, "--epochs", "1", "--rows-per-step", "4", "--output-dir", str(sft), *quiet]) == 0
+    chain = json.loads((sft / "final" / "data_manifest.json").read_text())["world_executions"]
+    recorded = json.loads(open(world_free_file + ".export.json").read())["world_executions"]
+    assert chain == {"rollout": 0, "verification": 0, "grounding": 0, "sft_data": 0, "task_data": recorded, "total": recorded}
+    for variant in ("envace", "act-only", "simulator", "no-share"):
+        layout = ["--rehearse-layout", "isolated"] if variant == "no-share" else []
+        out = tmp_path / variant
+        assert main(["train", "--tasks", world_free_file, "--reward", "reference", "--variant", variant, *layout, "--init-from", str(sft / "final"),
+                     "--steps", "1", "--tasks-per-step", "1", "--k", "2", *limits, "--output-dir", str(out), *quiet]) == 0
+        last = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
+        assert [last[f"env/{p}_total"] for p in ("rollout", "verification", "grounding", "sft_data", "task_data")] == [0] * 5, variant
+    evaluated = tmp_path / "eval"
+    assert main(["eval", "--tasks", world_free_file, "--mode", "rehearse", "--reward", "reference", "--model", str(tmp_path / "envace" / "final"),
+                 "--allow-train-overlap", *limits, "--no-progress", "--output-dir", str(evaluated)]) == 0
+    overall = json.loads((evaluated / "summary.json").read_text())["overall"]
+    assert overall["n"] == 4 and overall["real_env_calls"] == 0 and overall["verification_calls"] == 0

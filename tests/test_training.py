@@ -465,3 +465,36 @@ def test_sft_rows_from_recorded_references_equal_rows_from_executing_the_world(t
     start = sum(len(t.token_ids) for t in traj.turns[: traj.turns.index(env_turn)])
     response = tokenizer.encode('{"value": 1}', add_special_tokens=False)
     assert row.input_ids[start:start + len(response)] == response and all(row.loss_mask[start:start + len(response)])
+
+
+def scripted_group(tokenizer, task, mode, k=2):
+    """K rollouts of `task` by the scripted agent of tests/test_rollout (one add call, then the answer)."""
+    from envace.backends.scripted import ScriptedGenerator
+    from envace.envs.environment import WorldEnvironment
+    from envace.rollout import RolloutConfig, RolloutEngine
+    from tests.test_rollout import agent
+
+    return RolloutEngine(ScriptedGenerator(tokenizer, agent), WorldEnvironment(), RolloutConfig(mode=mode)).run([task], k=k, progress=False)
+
+
+def test_world_executions_count_reward_replays_for_world_tasks_and_nothing_for_world_free_ones(tmp_path, task_file, tokenizer):
+    from tests.test_rollout import recorded_counter_task
+
+    trainer = Trainer(build(TrainConfig, dict(SMALL, tasks=task_file, output_dir=str(tmp_path / "world"), steps=1)))
+    world = counter_task(5)
+    metrics = trainer.score([world], scripted_group(tokenizer, world, "rehearse"))
+    # Two rehearsed rollouts, one committed add each: the replay reward ran each once more.
+    assert (metrics["env/rollout_step"], metrics["env/verification_step"], metrics["env/verification_total"]) == (0, 2, 2)
+    metrics = trainer.score([world], scripted_group(tokenizer, world, "real"))
+    # Real rollouts: the world answered each add, and the replay reward still re-ran it to score.
+    assert (metrics["env/rollout_step"], metrics["env/verification_step"], metrics["env/verification_total"]) == (2, 2, 4)
+    trainer.logger.close()
+
+    free_file = tmp_path / "free.jsonl"
+    save_tasks([recorded_counter_task()], free_file)
+    trainer = Trainer(build(TrainConfig, dict(SMALL, tasks=str(free_file), reward="reference", output_dir=str(tmp_path / "free"), steps=1)))
+    free = recorded_counter_task()
+    metrics = trainer.score([free], scripted_group(tokenizer, free, "rehearse"))
+    trainer.logger.close()
+    assert all(metrics[f"env/{p}_total"] == 0 for p in ("rollout", "verification", "grounding", "sft_data", "task_data"))
+    assert metrics["reward/mean"] == 1.0  # the reference reward scored the rehearsed call with no world
