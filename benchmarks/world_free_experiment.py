@@ -61,11 +61,16 @@ def main() -> None:
     p.add_argument("--sft-epochs", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--lr", type=float, default=2e-5)
+    p.add_argument("--report", action="store_true", help="only write results.md from what results.json holds so far")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.json"
     results = json.loads(path.read_text()) if path.is_file() else {}
+    if args.report:
+        (out / "results.md").write_text(table(results, args))
+        print(table(results, args))
+        return
     files = {"world": str(out / "train-world.jsonl"), "free": str(out / "train-free.jsonl")}
     tasks = ["--split", "train", "--n-per-world", str(args.train_per_world), "--difficulty", "1"]
 
@@ -85,9 +90,10 @@ def main() -> None:
                 "--k", "4", "--lr", str(args.lr), "--output-dir", str(run_dir), "--no-progress", *(["--resume"] if run_dir.exists() else [])]
         stage(results, path, f"train/{name}", lambda: {"seconds": run(argv),
                                                        "world_executions": json.loads((run_dir / "final" / "data_manifest.json").read_text())["world_executions"]})
-    models = {"base": "default", "sft": warm, **{name: str(out / name / "final") for name in ROWS}}
-    for name, model in models.items():
-        for mode, per_world in (("real", args.eval_per_world), ("rehearse", args.fidelity_per_world)):
+    # The trained rows first: on an interrupted run the comparison that matters is there first.
+    models = {**{name: str(out / name / "final") for name in ROWS}, "sft": warm, "base": "default"}
+    for mode, per_world in (("real", args.eval_per_world), ("rehearse", args.fidelity_per_world)):
+        for name, model in models.items():
             eval_dir = out / name / f"eval-{mode}"
             argv = ["eval", "--model", model, "--split", "test", "--n-per-world", str(per_world), "--difficulty", "1", "--temperature", "0",
                     "--mode", mode, "--output-dir", str(eval_dir), "--no-progress"]
@@ -113,8 +119,11 @@ def table(results: dict, args: argparse.Namespace) -> str:
              "rehearsal fidelity exact / field F1 | real-world executions to train (rollout / verification / grounding / SFT data / task data) | train wall time |",
              "|---|---|---|---|---|---|---|---|"]
     for name in ("base", "sft", *ROWS):
+        if f"eval-real/{name}" not in results:
+            lines.append(f"| {name} | not evaluated | | | | | | |")
+            continue
         summary, o = results[f"eval-real/{name}"]["summary"], results[f"eval-real/{name}"]["summary"]["overall"]
-        rehearsed = results[f"eval-rehearse/{name}"]["summary"]["overall"]
+        rehearsed = results.get(f"eval-rehearse/{name}", {}).get("summary", {}).get("overall", {})
         fidelity = f"{rehearsed['fidelity/exact']:.2f} / {rehearsed['fidelity/field_f1']:.2f}" if "fidelity/exact" in rehearsed else "-"
         calls = executions(results, name)
         cols = " / ".join(str(calls[k]) for k in ("rollout", "verification", "grounding", "sft_data", "task_data")) if calls else "-"

@@ -19,7 +19,7 @@ def test_demo_pipeline_end_to_end_on_a_tiny_model(tmp_path):
     report = (tmp_path / "report.md").read_text()
     assert "| SFT + rehearsal GRPO |" in report and "held-out world (travel)" in report
     calls = summary["train"]["world_executions"]
-    assert calls["rollout"] == 0 and calls["verification"] > 0  # the replay reward's executions are counted
+    assert calls["rollout"] == 0 and calls["grounding"] == 0  # rehearsal rollouts; verification depends on the calls made
     assert summary["train"]["chain_world_executions"]["sft_data"] > 0  # and so is the warm start's data
     assert (tmp_path / "report.html").read_text().count("<table>") >= 2
     assert summary["stages"]["SFT + rehearsal GRPO, rehearse mode"]["overall"]["real_env_calls"] == 0
