@@ -61,6 +61,8 @@ def main() -> None:
     p.add_argument("--sft-epochs", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--lr", type=float, default=2e-5)
+    p.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS), help="training rows to run (a subset for a shorter run)")
+    p.add_argument("--baselines", nargs="*", default=["sft", "base"], choices=["sft", "base"], help="untrained rows to evaluate")
     p.add_argument("--report", action="store_true", help="only write results.md from what results.json holds so far")
     args = p.parse_args()
     out = Path(args.out)
@@ -84,14 +86,14 @@ def main() -> None:
     stage(results, path, "sft", lambda: {"seconds": run(["sft", "--tasks", files["free"], "--epochs", str(args.sft_epochs), "--rows-per-step", "4",
                                                          "--lr", "2e-4", "--output-dir", str(out / "sft"), "--no-progress"]),
                                          "manifest": json.loads((out / "sft" / "final" / "data_manifest.json").read_text())["world_executions"]})
-    for name, options in ROWS.items():
-        run_dir = out / name
+    for name in args.rows:
+        options, run_dir = ROWS[name], out / name
         argv = ["train", "--init-from", warm, *[o.format(**files) for o in options], "--steps", str(args.steps), "--tasks-per-step", "4",
                 "--k", "4", "--lr", str(args.lr), "--output-dir", str(run_dir), "--no-progress", *(["--resume"] if run_dir.exists() else [])]
         stage(results, path, f"train/{name}", lambda: {"seconds": run(argv),
                                                        "world_executions": json.loads((run_dir / "final" / "data_manifest.json").read_text())["world_executions"]})
     # The trained rows first: on an interrupted run the comparison that matters is there first.
-    models = {**{name: str(out / name / "final") for name in ROWS}, "sft": warm, "base": "default"}
+    models = {**{name: str(out / name / "final") for name in args.rows}, **{name: {"sft": warm, "base": "default"}[name] for name in args.baselines}}
     for mode, per_world in (("real", args.eval_per_world), ("rehearse", args.fidelity_per_world)):
         for name, model in models.items():
             eval_dir = out / name / f"eval-{mode}"
