@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from envace.backends.base import Generator, SamplingParams
+from envace.config import ConfigError
 from envace.envs.base import ToolWorld
 from envace.registry import Registry
 from envace.types import Task, ToolCall, Trajectory
@@ -428,6 +429,21 @@ def check_reward_spec(spec: str) -> list[tuple[str, float]]:
         if name not in REWARDS and ":" not in name:
             raise ValueError(f"unknown reward {name!r}; known: {', '.join(REWARDS.names())} or module:function (weighted: name:w,name:w)")
     return components
+
+
+def reward_names(spec: str) -> list[str]:
+    """The component names of a `--reward` spec, checked (`check_reward_spec`); a bad spec is a
+    ConfigError, so every command reports it the same way before any model loads."""
+    try:
+        return [name for name, _ in check_reward_spec(spec)]
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def judge_missing(spec: str, judge: str | None) -> None:
+    """A spec with a judge component needs a judge model."""
+    if "judge" in reward_names(spec) and not judge:
+        raise ConfigError(f"--reward {spec} has a judge component: give --judge MODEL (a local model spec or an http(s):// URL)")
 
 
 def resolve_reward(spec: str) -> RewardFn:

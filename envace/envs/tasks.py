@@ -209,9 +209,8 @@ def _apply_reference(where: str, data: dict[str, Any], tool_names: list[str]) ->
     for i, call in enumerate(calls):
         if call["name"] not in tool_names:
             _fail(where, "reference", f"call {i} names unknown tool {call['name']!r}", f"use one of: {', '.join(tool_names)}")
-    if "reference_calls" not in data:
-        data["reference_calls"] = calls
-    else:
+    # Absent reference_calls are derived from the reference by `Task` itself.
+    if "reference_calls" in data:
         _check_same_calls(where, data["reference_calls"], calls)
     users = [{"role": "user", "content": text} for text in later_users]
     if "user_turns" not in data:

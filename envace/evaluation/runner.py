@@ -20,7 +20,7 @@ from envace.benchmarks import BENCHMARKS, Benchmark, BenchmarkDependencyError
 from envace.config import ConfigError, field
 from envace.evaluation.report import print_summary, write_summary
 from envace.metrics import summarize_by, summarize_records, trajectory_record
-from envace.rewards import Context, check_reward_spec, compute_rewards
+from envace.rewards import Context, compute_rewards, judge_missing, reward_names
 from envace.rollout import RolloutConfig, RolloutEngine
 from envace.types import Task, Trajectory
 
@@ -81,12 +81,8 @@ class EvalConfig:
         if (self.rollout.mode == "simulator") != bool(self.simulator):
             raise ConfigError("--mode simulator needs --simulator MODEL (the frozen simulator)" if self.simulator is None else
                               f"--simulator is read by --mode simulator only; drop it for --mode {self.rollout.mode}")
-        try:
-            rewards = [name for name, _ in check_reward_spec(self.reward_name)]
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        if "judge" in rewards and not self.judge:
-            raise ConfigError(f"--reward {self.reward_name} has a judge component: give --judge MODEL (a local model spec or an http(s):// URL)")
+        judge_missing(self.reward_name, self.judge)
+        rewards = reward_names(self.reward_name)
         self._validate_benchmark()
         judged = [name for name in BENCHMARKS.names() if BENCHMARKS.get(name).uses_judge]
         if self.judge and "judge" not in rewards and self.benchmark not in (*judged, "all"):
@@ -144,12 +140,10 @@ def load_eval_tasks(cfg: EvalConfig) -> list[Task]:
 
 def world_needs(cfg: EvalConfig) -> dict[str, str]:
     """The options in use that need an executable world, each with what world-free tasks can use instead."""
-    from envace.rewards import parse_reward_spec
-
     needs = {}
     if cfg.rollout.mode == "real":
         needs["--mode real (the default)"] = "use --mode rehearse"
-    if "replay" in [name for name, _ in parse_reward_spec(cfg.reward_name)]:
+    if "replay" in reward_names(cfg.reward_name):
         default = " (the default)" if cfg.reward is None else ""
         needs[f"--reward {cfg.reward_name}{default}"] = "use --reward judge --judge MODEL, --reward reference, or module:function"
     if cfg.rehearsal != "none":

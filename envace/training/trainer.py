@@ -33,7 +33,7 @@ from envace.accounting import WorldExecutions, task_data_executions
 from envace.manifest import build_manifest, inherited_executions, with_executions, write_manifest
 from envace.metrics import summarize_records, trajectory_record
 from envace.backends.open import check_models, open_generator
-from envace.rewards import Context, check_reward_spec, compute_rewards
+from envace.rewards import Context, compute_rewards, judge_missing, reward_names
 from envace.rollout import RolloutConfig, RolloutEngine
 from envace.training.variants import VARIANTS, variants_help
 from envace.training.setup import (TrainingOptions, backward_micro_batches, check_resume, load_trainable, make_accelerator, make_optimizer,
@@ -123,12 +123,8 @@ class TrainConfig(TrainingOptions):
             raise ConfigError(f"kl_coef must be >= 0 (0 = off), got {self.kl_coef}")
 
     def _validate_reward(self) -> None:
-        try:
-            names = [name for name, _ in check_reward_spec(self.reward)]
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        if "judge" in names and not self.judge:
-            raise ConfigError(f"--reward {self.reward} has a judge component: give --judge MODEL (a local model spec or an http(s):// URL)")
+        judge_missing(self.reward, self.judge)
+        names = reward_names(self.reward)
         if self.judge and "judge" not in names:
             raise ConfigError(f"--judge is read by the judge reward only; add it to --reward (e.g. --reward judge:0.5,{self.reward}:0.5) or drop --judge")
         check_models(self.judge)
@@ -157,12 +153,10 @@ def load_train_tasks(cfg: TrainConfig) -> list[Task]:
 
 def world_needs(cfg: TrainConfig) -> dict[str, str]:
     """The options in use that need an executable world, each with what world-free tasks can use instead."""
-    from envace.rewards import parse_reward_spec
-
     needs = {}
     if VARIANTS.get(cfg.variant).rollout_mode == "real":
         needs[f"--variant {cfg.variant}"] = "use a rehearse variant such as --variant envace"
-    if "replay" in [name for name, _ in parse_reward_spec(cfg.reward)]:
+    if "replay" in reward_names(cfg.reward):
         default = " (the default)" if cfg.reward == "replay" else ""
         needs[f"--reward {cfg.reward}{default}"] = "pass --reward judge, reference or module:function"
     if cfg.real_fraction > 0:
