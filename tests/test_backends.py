@@ -371,3 +371,82 @@ def test_default_model_chat_reply():
     [reply] = gen.generate(gen.open(1), [tok.encode(prompt, add_special_tokens=False)], params)
     assert reply.token_ids and reply.text.strip()
     assert "paris" in reply.text.lower()
+
+
+# ---- weight refresh (Generator.sync_weights) and seeding ------------------------------------
+
+def _greedy(generator, prompt):
+    (s,) = generator.open(1)
+    try:
+        return generator.generate([s], [prompt], GREEDY)[0].token_ids
+    finally:
+        generator.close([s])
+
+
+def test_sync_weights_from_another_module_makes_the_generator_sample_from_those_weights(tokenizer, prompts):
+    from envace.backends.base import PolicyWeights
+
+    old, new = tiny_model(tokenizer, seed=1), tiny_model(tokenizer, seed=2)
+    generator = HFGenerator(old, tokenizer)
+    before = _greedy(generator, prompts[0])
+    expected = _greedy(HFGenerator(new, tokenizer), prompts[0])
+    assert before != expected  # two random inits: otherwise the test could not see a refresh
+    generator.sync_weights(PolicyWeights(new, version=3))
+    assert generator.weights_version == 3
+    assert _greedy(generator, prompts[0]) == expected
+    assert generator.model is old  # copied into the generator's own module, not swapped
+
+
+def test_sync_weights_with_an_open_session_is_refused(tokenizer, model, prompts):
+    from envace.backends.base import PolicyWeights, StaleSessionsError
+
+    generator = HFGenerator(model, tokenizer)
+    (s,) = generator.open(1)
+    generator.generate([s], [prompts[0]], GREEDY)
+    with pytest.raises(StaleSessionsError, match="close them first"):
+        generator.sync_weights(PolicyWeights(model, version=1))
+    generator.close([s])
+    generator.sync_weights(PolicyWeights(model, version=1))
+    assert generator.weights_version == 1
+
+
+def test_merged_state_of_a_lora_model_is_w_plus_scaled_b_times_a(tokenizer, prompts):
+    """A plain model loaded with PolicyWeights.merged_state() computes what the LoRA model
+    computes: W' = W + (alpha / r) * B @ A on every adapted layer (checked by hand on one)."""
+    from peft import LoraConfig, get_peft_model
+
+    from envace.backends.base import PolicyWeights
+
+    base = tiny_model(tokenizer, seed=3)
+    w = base.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    lora = get_peft_model(base, LoraConfig(r=2, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    layer = lora.base_model.model.model.layers[0].self_attn.q_proj
+    with torch.no_grad():
+        for module in lora.modules():  # PEFT initialises B to 0: make the adapter do something
+            if hasattr(module, "lora_B"):
+                module.lora_B["default"].weight.normal_(0, 0.5)
+    state = PolicyWeights(lora, version=1).merged_state()
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    assert torch.allclose(state["model.layers.0.self_attn.q_proj.weight"], w + (8 / 2) * b @ a, atol=1e-6)
+    assert not any("lora" in k or "base_layer" in k for k in state)
+    plain = tiny_model(tokenizer, seed=4)
+    plain.load_state_dict(state, strict=True)
+    ids = torch.tensor([prompts[2]])
+    with torch.no_grad():
+        assert torch.allclose(plain(ids).logits, lora(input_ids=ids).logits, atol=1e-5)
+    assert PolicyWeights(lora, 1).adapter()[1].r == 2 and PolicyWeights(plain, 1).adapter() is None
+
+
+def test_set_seed_restarts_the_sampling_stream(tokenizer, model, prompts):
+    sampled = SamplingParams(max_new_tokens=12, temperature=1.0)
+    generator = HFGenerator(model, tokenizer, seed=0)
+
+    def draw(seed):
+        generator.set_seed(seed)
+        (s,) = generator.open(1)
+        out = generator.generate([s], [prompts[1]], sampled)[0].token_ids
+        generator.close([s])
+        return out
+
+    first = draw(7)
+    assert draw(7) == first and draw(8) != first

@@ -394,9 +394,9 @@ def test_a_resumed_run_samples_with_the_seeds_of_the_uninterrupted_run(tmp_path,
     seeds = []
 
     class Recording(hf.HFGenerator):
-        def __init__(self, *args, seed=0, **kwargs):
+        def set_seed(self, seed):
             seeds.append(seed)
-            super().__init__(*args, seed=seed, **kwargs)
+            super().set_seed(seed)
 
     monkeypatch.setattr(hf, "HFGenerator", Recording)
     run = dict(SMALL, tasks=task_file, real_fraction=0.5)
@@ -406,6 +406,24 @@ def test_a_resumed_run_samples_with_the_seeds_of_the_uninterrupted_run(tmp_path,
     Trainer(build(TrainConfig, dict(run, output_dir=str(tmp_path / "part"), resume=True))).fit()
     assert len(full) == 4 and len(set(full)) == 4  # 2 steps x (real, rehearse) policy generators
     assert seeds == full
+
+
+def test_each_steps_rollout_samples_from_the_weights_after_the_previous_updates(tmp_path, task_file, monkeypatch):
+    """The trainer keeps one generator per stream and syncs it before each rollout: step N's
+    samples come from the weights after N-1 optimizer steps, and from the module being trained."""
+    import envace.backends.hf as hf
+
+    seen = []
+
+    class Recording(hf.HFGenerator):
+        def generate(self, sessions, new_tokens, params):
+            seen.append((trainer.step, self.weights_version, self.model is trainer.accelerator.unwrap_model(trainer.models.policy)))
+            return super().generate(sessions, new_tokens, params)
+
+    monkeypatch.setattr(hf, "HFGenerator", Recording)
+    trainer = Trainer(build(TrainConfig, dict(SMALL, tasks=task_file, steps=3, output_dir=str(tmp_path / "run"))))
+    trainer.fit()
+    assert sorted(set(seen)) == [(0, 0, True), (1, 1, True), (2, 2, True)]
 
 
 # ---- the judge reward and weighted rewards in training (issue #12) ---------------------------

@@ -51,6 +51,56 @@ class GenStats:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class PolicyWeights:
+    """The trainer's current policy, as `Generator.sync_weights` receives it after an optimizer step.
+
+    `model` is the trainer's live module (unwrapped from DDP; a PEFT model when training LoRA).
+    A generator that samples from that same module in-process needs nothing copied; an engine
+    that holds its own copy of the weights (llama.cpp, vLLM, a remote server) takes
+    `merged_state()` (full weights under the base model's Hugging Face names, LoRA deltas added)
+    or, where it can apply adapters itself, `adapter()`. `version` is the number of optimizer
+    steps behind these weights; the generator reports the version it samples from
+    (`weights_version`), so a trainer can check it never samples from stale weights.
+    """
+
+    model: Any
+    version: int
+
+    def adapter(self) -> tuple[dict[str, Any], Any] | None:
+        """(LoRA tensors by PEFT name, the adapter's PeftConfig), or None for a full model."""
+        config = getattr(self.model, "peft_config", None)
+        if not config:
+            return None
+        from peft import get_peft_model_state_dict
+
+        name = getattr(self.model, "active_adapter", "default")
+        return get_peft_model_state_dict(self.model, adapter_name=name), config[name]
+
+    def merged_state(self) -> dict[str, Any]:
+        """Full weights under the base model's names (`model.layers.0.self_attn.q_proj.weight`, ...),
+        detached; with LoRA, W + the adapter's delta (the model itself is left unmerged)."""
+        import torch
+
+        if self.adapter() is None:
+            return {k: v.detach() for k, v in self.model.state_dict().items()}
+        from peft.tuners.lora import LoraLayer
+
+        base = self.model.get_base_model()
+        with torch.no_grad():
+            state = {k: v.detach() for k, v in base.state_dict().items() if "lora_" not in k}
+            for prefix, module in base.named_modules():
+                if isinstance(module, LoraLayer):
+                    delta = sum(module.get_delta_weight(a) for a in module.active_adapters if a in module.lora_A)
+                    state[f"{prefix}.base_layer.weight"] = module.get_base_layer().weight.detach() + delta
+        # PEFT renames a wrapped layer's own weight to `<layer>.base_layer.weight`.
+        return {k.replace(".base_layer.", "."): v for k, v in state.items()}
+
+
+class StaleSessionsError(RuntimeError):
+    """Weights were synced while sessions were open: their KV caches hold the old policy's keys and values."""
+
+
 @runtime_checkable
 class Generator(Protocol):
     """Token-in/token-out generation with sessions.
@@ -60,13 +110,24 @@ class Generator(Protocol):
     sequence is the concatenation of everything fed and everything returned to it, in order.
     All listed sessions advance together as one batch. `params` is shared, or one per session:
     each session stops at its own `max_new_tokens` and stop tokens/strings (`per_session`).
+
+    `sync_weights(weights)` brings the sampler to the trainer's current policy (`PolicyWeights`);
+    the trainer calls it after every optimizer step, with no session open (an open session's KV
+    cache was computed by the old weights: raise `StaleSessionsError`). `set_seed(seed)` restarts
+    the sampling stream, so a step's samples depend on (seed, step) only and a resumed run draws
+    the same ones.
     """
 
     tokenizer: Any
     stats: GenStats
+    weights_version: int  # PolicyWeights.version last synced (0 = the weights it was built with)
 
     def open(self, n: int) -> list[int]: ...
 
     def generate(self, sessions: list[int], new_tokens: list[list[int]], params: ParamsArg) -> list[Completion]: ...
 
     def close(self, sessions: list[int]) -> None: ...
+
+    def sync_weights(self, weights: PolicyWeights) -> None: ...
+
+    def set_seed(self, seed: int) -> None: ...

@@ -45,7 +45,7 @@ from typing import Any, Iterator
 import torch
 from transformers import DynamicCache
 
-from envace.backends.base import Completion, GenStats, ParamsArg, SamplingParams, per_session
+from envace.backends.base import Completion, GenStats, ParamsArg, PolicyWeights, SamplingParams, StaleSessionsError, per_session
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [batch, kv_heads, seq, head_dim]
 
@@ -180,6 +180,7 @@ class HFGenerator:
         self.device = next(model.parameters()).device
         self.pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.weights_version = 0
         self._sessions: dict[int, _Session] = {}
         self._next_id = 0
         self._check_full_attention()
@@ -202,6 +203,20 @@ class HFGenerator:
         """Free the sessions' caches. Unknown or already closed ids are ignored (safe in cleanup)."""
         for i in sessions:
             self._sessions.pop(i, None)
+
+    def set_seed(self, seed: int) -> None:
+        self.generator.manual_seed(seed)
+
+    def sync_weights(self, weights: PolicyWeights) -> None:
+        """Sample from `weights` from now on. The trainer's own module (the usual case, one process)
+        is already what this generator runs: nothing is copied. Another module's weights are
+        loaded into this generator's model (strict: every name must match)."""
+        if self._sessions:
+            raise StaleSessionsError(f"sync_weights with {len(self._sessions)} sessions open: close them first (their caches hold the old weights)")
+        if weights.model is not self.model:
+            with torch.no_grad():
+                self.model.load_state_dict(weights.merged_state(), strict=True)
+        self.weights_version = weights.version
 
     def cache_tokens(self) -> int:
         """KV positions held across open sessions (per layer); 0 once all are closed."""

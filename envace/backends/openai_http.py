@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from envace.backends.base import Completion, GenStats, ParamsArg, SamplingParams, per_session
+from envace.backends.base import Completion, GenStats, ParamsArg, PolicyWeights, SamplingParams, per_session
 from envace.backends.models import ModelNotFoundError
 
 TOKEN_ID = re.compile(r"^token_id:(\d+)$")
@@ -51,6 +51,9 @@ class OpenAIGenerator:
         self.tokenizer = tokenizer
         self.max_concurrency = max_concurrency
         self.stats = GenStats(extra={"retokenized": 0})
+        self.weights_version = 0
+        self.seed: int | None = None  # set_seed: each request then carries its own seed (vLLM, SGLang, llama.cpp honour it)
+        self._requests = 0
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(timeout=timeout, headers=headers)
         self._sessions: dict[int, list[int]] = {}
@@ -84,6 +87,15 @@ class OpenAIGenerator:
         for i in sessions:
             self._sessions.pop(i, None)
 
+    def set_seed(self, seed: int) -> None:
+        self.seed, self._requests = seed, 0
+
+    def sync_weights(self, weights: PolicyWeights) -> None:
+        raise NotImplementedError(
+            f"{self.base_url} holds its own copy of the weights and this client cannot push new ones to it yet; "
+            "train with the local backend (a local model spec), which samples from the trainer's weights"
+        )
+
     def generate(self, sessions: list[int], new_tokens: list[list[int]], params: ParamsArg) -> list[Completion]:
         if len(sessions) != len(new_tokens):
             raise ValueError(f"{len(sessions)} sessions but {len(new_tokens)} token lists")
@@ -97,8 +109,10 @@ class OpenAIGenerator:
         start = time.perf_counter()
         prompts = [self._sessions[i] + list(new) for i, new in zip(sessions, new_tokens)]
         workers = max(1, min(self.max_concurrency, len(prompts)))
+        seeds = [None if self.seed is None else self.seed + self._requests + row for row in range(len(prompts))]
+        self._requests += len(prompts)
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            completions = list(pool.map(self._complete, prompts, per_session(params, len(prompts))))
+            completions = list(pool.map(self._complete, prompts, per_session(params, len(prompts)), seeds))
         for i, prompt, completion in zip(sessions, prompts, completions):
             self._sessions[i] = prompt + completion.token_ids
         self.stats.prefill_tokens += sum(len(p) for p in prompts)
@@ -107,7 +121,7 @@ class OpenAIGenerator:
         self.stats.seconds += time.perf_counter() - start
         return completions
 
-    def request_body(self, prompt: list[int], params: SamplingParams) -> dict[str, Any]:
+    def request_body(self, prompt: list[int], params: SamplingParams, seed: int | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self.model, "prompt": prompt, "max_tokens": params.max_new_tokens,
             "temperature": params.temperature, "top_p": params.top_p, "logprobs": 1,
@@ -115,16 +129,18 @@ class OpenAIGenerator:
             "return_tokens_as_token_ids": True, "include_stop_str_in_output": True,
             "skip_special_tokens": False, "ignore_eos": True,
         }
+        if seed is not None:
+            body["seed"] = seed
         if params.stop_strings:
             body["stop"] = list(params.stop_strings)
         if params.stop_token_ids:
             body["stop_token_ids"] = list(params.stop_token_ids)
         return body
 
-    def _complete(self, prompt: list[int], params: SamplingParams) -> Completion:
+    def _complete(self, prompt: list[int], params: SamplingParams, seed: int | None = None) -> Completion:
         url = f"{self.base_url}/completions"
         try:
-            response = self.client.post(url, json=self.request_body(prompt, params))
+            response = self.client.post(url, json=self.request_body(prompt, params, seed))
         except httpx.TransportError as err:
             raise _unreachable(self.base_url, f"POST {url}", err) from err
         if response.status_code != 200:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Callable
 
-from envace.backends.base import Completion, GenStats, ParamsArg, per_session
+from envace.backends.base import Completion, GenStats, ParamsArg, PolicyWeights, per_session
 
 # reply(session_text) -> the text the "model" writes next (its end marker is appended if missing)
 Reply = Callable[[str], str]
@@ -18,6 +18,7 @@ class ScriptedGenerator:
         self.reply = reply
         self.end_marker = end_marker if end_marker is not None else (tokenizer.eos_token or "")
         self.stats = GenStats()
+        self.weights_version = 0
         self.sequences: dict[int, list[int]] = {}
         self._ids = itertools.count()
 
@@ -29,6 +30,13 @@ class ScriptedGenerator:
     def close(self, sessions: list[int]) -> None:
         for s in sessions:
             self.sequences.pop(s, None)
+
+    def set_seed(self, seed: int) -> None:
+        """A script draws nothing at random."""
+
+    def sync_weights(self, weights: PolicyWeights) -> None:
+        """A script has no weights; it records the version, as a real engine would."""
+        self.weights_version = weights.version
 
     def generate(self, sessions: list[int], new_tokens: list[list[int]], params: ParamsArg) -> list[Completion]:
         self.stats.calls += 1

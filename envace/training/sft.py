@@ -133,12 +133,13 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
     from envace.training.plots import plot_metrics
 
     tasks = load_tasks(cfg.tasks) if cfg.tasks else builtin_tasks("train", cfg.n_per_world, worlds=cfg.worlds or None, difficulty=cfg.difficulty, seed=cfg.seed)
-    accelerator = make_accelerator()
+    accelerator = make_accelerator(cfg.precision)
     main = accelerator.is_main_process
     out = shared_run_dir(accelerator, cfg.output_dir, "sft")
     resume_from = check_resume(out, cfg, cfg.resume)
     seed_everything(cfg.seed)
-    model, tokenizer = load_trainable(cfg.model, cfg.lora_r, cfg.lora_alpha, accelerator.device, tiny=cfg.tiny)
+    model, tokenizer = load_trainable(cfg.model, cfg.lora_r, cfg.lora_alpha, accelerator.device, tiny=cfg.tiny,
+                                      activation_checkpointing=cfg.activation_checkpointing)
     data, dropped, executions = reference_trajectories(tasks, tokenizer, WorldEnvironment(), cfg.max_total_tokens)
     executions.task_data = task_data_executions(cfg.tasks)
     if not data:

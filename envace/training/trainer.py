@@ -218,7 +218,7 @@ class Trainer:
         self.variant = VARIANTS.get(cfg.variant)
         self.tasks = load_train_tasks(cfg)  # bad task files fail before any model loads
         self.env = WorldEnvironment()
-        self.accelerator = make_accelerator()
+        self.accelerator = make_accelerator(cfg.precision)
         if cfg.tasks_per_step % self.accelerator.num_processes:
             raise ConfigError(f"tasks_per_step ({cfg.tasks_per_step}) must be a multiple of the number of processes ({self.accelerator.num_processes})")
         self.dir = shared_run_dir(self.accelerator, cfg.output_dir, "train")
@@ -227,6 +227,7 @@ class Trainer:
         self.models, self.tokenizer = self._build_models()
         self.judge = open_generator(cfg.judge, cfg.seed) if cfg.judge else None  # frozen, for the judge reward
         self.step = 0
+        self.generators: dict[str, Any] = {}  # seed stream -> its generator (Trainer._generator)
         self.stream = TaskStream(self.tasks, cfg.seed)
         # This run's executions in a real world, by purpose (envace/accounting.py); checkpointed.
         self.world_calls = WorldExecutions()
@@ -246,7 +247,8 @@ class Trainer:
         cfg = self.cfg
         # --tiny replaces the base model only; a checkpoint directory always loads as saved.
         tiny = cfg.tiny and spec == cfg.model
-        model, tok = load_trainable(spec, cfg.lora_r if trainable else 0, cfg.lora_alpha, self.accelerator.device, tiny=tiny)
+        model, tok = load_trainable(spec, cfg.lora_r if trainable else 0, cfg.lora_alpha, self.accelerator.device, tiny=tiny,
+                                    activation_checkpointing=trainable and cfg.activation_checkpointing)
         if not trainable:
             model.requires_grad_(False)
         return model, tok
@@ -283,10 +285,20 @@ class Trainer:
         self.world_calls = WorldExecutions.from_dict(state.data_state.get("world_executions") or {"rollout": state.data_state.get("real_env_calls", 0)})
 
     def _generator(self, model: Any, stream: str) -> Any:
+        """The stream's generator, kept across steps: synced to the weights of this step (a
+        trained model's; a frozen one never changes) and seeded with this step's seed, so the
+        samples depend on (seed, step, process, stream) only, resumed or not."""
+        from envace.backends.base import PolicyWeights
         from envace.backends.hf import HFGenerator
 
-        seed = sampling_seed(self.cfg.seed, self.step, self.accelerator.process_index, stream)
-        return HFGenerator(self.accelerator.unwrap_model(model), self.tokenizer, seed=seed)
+        module = self.accelerator.unwrap_model(model)
+        generator = self.generators.get(stream)
+        if generator is None:
+            generator = self.generators[stream] = HFGenerator(module, self.tokenizer)
+        if any(model is m for m in self.models.trained.values()) and generator.weights_version != self.step:
+            generator.sync_weights(PolicyWeights(module, version=self.step))
+        generator.set_seed(sampling_seed(self.cfg.seed, self.step, self.accelerator.process_index, stream))
+        return generator
 
     # ---- one step ---------------------------------------------------------------------
     def rollout(self, tasks: list[Task]) -> list[list[Trajectory]]:
