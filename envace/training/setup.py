@@ -34,6 +34,10 @@ class TrainingOptions:
     schedule: Literal["constant", "cosine"] = field("constant", help="learning-rate schedule")
     warmup_steps: int = field(0, help="linear warm-up steps")
     micro_batch_tokens: int = field(4096, help="padded tokens per micro-batch (gradient accumulation above it)")
+    precision: Literal["auto", "fp32", "bf16"] = field(
+        "auto", help="forward/backward precision: bf16 autocast over fp32 master weights, fp32, or auto = bf16 where the "
+        "hardware computes it natively (a GPU with bf16, a CPU with avx512_bf16 or AMX), fp32 elsewhere")
+    activation_checkpointing: bool = field(False, help="recompute each decoder layer's activations in the backward pass (less memory, ~30% more compute)")
     seed: int = field(0, help="random seed")
     output_dir: str | None = field(None, help="run directory (default runs/<command>-<time>)")
     resume: bool = field(False, help="continue the run in --output-dir from its last checkpoint")
@@ -65,16 +69,35 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def make_accelerator() -> Any:
-    """bf16 autocast on GPU, plain fp32 on CPU; multi-GPU when started with `accelerate launch`."""
+def native_bf16() -> bool:
+    """Whether this machine computes bf16 matmuls natively (not emulated in fp32)."""
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:  # not Linux: assume emulation, where bf16 is slower than fp32
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_precision(precision: str) -> str:
+    return ("bf16" if native_bf16() else "fp32") if precision == "auto" else precision
+
+
+def make_accelerator(precision: str = "auto") -> Any:
+    """The accelerate object: bf16 autocast or fp32 (`resolve_precision`), on GPU or CPU;
+    multi-GPU when started with `accelerate launch`."""
     from accelerate import Accelerator
 
-    return Accelerator(mixed_precision="bf16" if torch.cuda.is_available() else "no", cpu=not torch.cuda.is_available())
+    mixed = {"bf16": "bf16", "fp32": "no"}[resolve_precision(precision)]
+    return Accelerator(mixed_precision=mixed, cpu=not torch.cuda.is_available())
 
 
-def load_trainable(spec: str, lora_r: int, lora_alpha: int, device: Any, tiny: bool = False) -> tuple[Any, Any]:
+def load_trainable(spec: str, lora_r: int, lora_alpha: int, device: Any, tiny: bool = False,
+                   activation_checkpointing: bool = False) -> tuple[Any, Any]:
     """(model, tokenizer) in fp32 master weights; wrapped with a LoRA adapter when lora_r > 0.
-    `tiny=True` builds a tiny random model over the spec's tokenizer (tests, smoke runs)."""
+    `tiny=True` builds a tiny random model over the spec's tokenizer (tests, smoke runs).
+    `activation_checkpointing` keeps only each decoder layer's input for the backward pass."""
     from envace.backends.models import load_model, load_tokenizer, tiny_model
 
     if tiny:
@@ -87,6 +110,9 @@ def load_trainable(spec: str, lora_r: int, lora_alpha: int, device: Any, tiny: b
 
         target = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         model = get_peft_model(model, LoraConfig(r=lora_r, lora_alpha=lora_alpha, target_modules=target, lora_dropout=0.0, task_type="CAUSAL_LM"))
+    if activation_checkpointing:
+        # Non-reentrant: works with frozen inputs (LoRA) and with the forward hook sequence_logprobs uses.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model, tokenizer
 
 
