@@ -1,8 +1,9 @@
-"""Role-level GRPO advantages, row building per variant/layout, logprobs and the PPO loss.
+"""Role-level GRPO advantages, row building per variant/layout, logprobs and the PPO loss, shared-prefix packing and TIS.
 
 Expected numbers are worked out by hand in the comments (and in docs/algorithms.md).
 """
 
+import contextlib
 import math
 
 import pytest
@@ -10,6 +11,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from envace.algorithms import ADVANTAGES, Row, build_rows, collate, group_metrics, ppo_loss, ppo_token_loss, sequence_logprobs
+from envace.algorithms.losses import (PackedRows, forwarded_tokens, pack_shared_prefixes, packed_attention_mask, recompute_old_logprobs,
+                                      shared_prefix_len, unit_rows)
+from envace.backends.models import tiny_model as hf_tiny_model
+from envace.training.setup import backward_micro_batches, micro_batches
 from envace.training.variants import VARIANTS
 from envace.types import Role, Trajectory, Turn
 
@@ -350,3 +355,339 @@ def test_sequence_logprobs_through_peft():
             base, _ = sequence_logprobs(model, batch, chunk_size=2)
     torch.testing.assert_close(chunked[:, 1:], expected)
     assert not torch.allclose(chunked, base)  # the adapter is on the path that was compared
+
+
+# ---- shared-prefix packing (Prefix Grouper) -------------------------------------------------
+
+
+def plain_row(ids, trained_from, group=None, adv=1.0, old=-1.0) -> Row:
+    n = len(ids)
+    mask = [0.0] * trained_from + [1.0] * (n - trained_from)
+    return Row(list(ids), [int(P)] * n, mask, [adv * m for m in mask], [old * m for m in mask], prefix_group=group)
+
+
+def test_build_rows_marks_task_groups():
+    one = [traj([(P, [1, 2]), (A, [3])], 1.0), traj([(P, [1, 2]), (A, [4])], 0.0, group=1)]
+    two = [traj([(P, [1, 5]), (A, [6])], 1.0), traj([(P, [1, 5]), (A, [7])], 0.0, group=1)]
+    for t in two:
+        t.task_id = "u"
+    trajs = one + two
+    advs = [a for g in ADVANTAGES.get("role_grpo")([one, two]) for a in g.trajectories]
+    assert [r.prefix_group for r in build_rows(trajs, advs, (A,), group_sizes=[2, 2])] == [0, 0, 1, 1]
+    assert [r.prefix_group for r in build_rows(trajs, advs, (A,))] == [0, 0, 1, 1]  # default: runs of equal task_id
+    assert [r.prefix_group for r in build_rows(trajs, advs, (A,), group_sizes=[1, 3])] == [0, 1, 1, 1]
+    with pytest.raises(ValueError, match="group_sizes"):
+        build_rows(trajs, advs, (A,), group_sizes=[2, 1])
+    # isolated layout: main rows carry their group, side rows stay unpacked (None)
+    group = layouts()["isolated"]
+    (adv,) = ADVANTAGES.get("role_grpo")([group])
+    rows = build_rows(group, adv.trajectories, (A, R), layout="isolated", group_sizes=[2])
+    assert [(r.prefix_group, r.roles.count(int(R)) > 0) for r in rows] == [(0, False), (None, True), (0, False), (None, True)]
+    units = pack_shared_prefixes(rows)
+    assert isinstance(units[0], PackedRows) and units[0].rows == [rows[0], rows[2]] and units[1:] == [rows[1], rows[3]]
+
+
+def test_pack_shared_prefixes_cuts_before_trained_tokens():
+    a = plain_row([1, 2, 3, 4, 5, 6], 3, group=0)
+    b = plain_row([1, 2, 3, 4, 9], 2, group=0)  # common prefix 1 2 3 4, but b trains from index 2
+    c = plain_row([1, 2, 3, 4, 7, 7, 7], 4, group=0)
+    assert shared_prefix_len([a, b, c]) == 2  # cut before b's first trained token
+    assert shared_prefix_len([a, c]) == 3  # cut before a's first trained token
+    lone = plain_row([8, 8, 8], 1, group=1)  # a group of one row
+    short = [plain_row([5, 1, 1], 1, group=2), plain_row([5, 2, 2], 1, group=2)]  # 1 shared token < min_prefix
+    free = plain_row([1, 2, 3, 4], 3)  # no group (SFT rows, side rows)
+    rows = [a, free, b, lone, short[0], c, short[1]]
+    units = pack_shared_prefixes(rows)
+    # the pack takes its group's first place; everything else keeps its order
+    assert [type(u).__name__ for u in units] == ["PackedRows", "Row", "Row", "Row", "Row"]
+    assert units[0].rows == [a, b, c] and units[0].prefix_len == 2 and units[1:] == [free, lone, *short]
+    assert unit_rows(units) == [a, b, c, free, lone, *short]
+    assert units[0].length == 2 + 4 + 3 + 5
+    # forwarded tokens: 6 + 5 + 7 = 18 as plain rows, 14 packed (the prefix of 2 once, not 3 times)
+    assert forwarded_tokens([a, b, c]) == 18 and forwarded_tokens(units[:1]) == 14
+    assert pack_shared_prefixes(rows, min_prefix=1)[3] == PackedRows(short, 1)
+    assert pack_shared_prefixes(units) == units  # packing twice changes nothing
+    with pytest.raises(ValueError, match="trained"):
+        PackedRows([a, c], 4)
+    with pytest.raises(ValueError, match="prefix"):
+        PackedRows([a, plain_row([1, 9, 9, 9], 3)], 2)
+
+
+def test_packed_attention_mask_layout():
+    # prefix of 2, continuation 1 (2 tokens), continuation 2 (1 token), one padding position
+    segments = torch.tensor([[0, 0, 1, 1, 2, -1]])
+    allowed = packed_attention_mask(segments, "sdpa", torch.float32)
+    assert allowed.dtype == torch.bool and allowed.shape == (1, 1, 6, 6)
+    assert allowed[0, 0].int().tolist() == [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],  # continuation 1 sees the prefix and itself
+        [1, 1, 1, 1, 0, 0],
+        [1, 1, 0, 0, 1, 0],  # continuation 2 sees the prefix, never continuation 1
+        [1, 1, 0, 0, 0, 1],  # padding sees itself (no empty softmax row) and attends nothing real beyond the prefix
+    ]
+    additive = packed_attention_mask(segments, "eager", torch.float32)
+    assert additive.dtype == torch.float32
+    assert torch.equal(additive == 0, allowed) and (additive[~allowed] == torch.finfo(torch.float32).min).all()
+    with pytest.raises(ValueError, match="sdpa"):
+        packed_attention_mask(segments, "flash_attention_2", torch.float32)
+
+
+def prompt_groups(tokenizer, k=4):
+    """Two tasks with K rollouts each: one prompt per task (PROMPT), then per rollout ACT / ENV /
+    ACT spans of different lengths, so the packed rows and their continuations differ in length."""
+    groups = []
+    for task, request in enumerate(["add 2 to the counter", "read the counter and tell me its value, please"]):
+        prompt = tokenizer.encode(f"<|im_start|>system\nYou are a tool agent. Tools: add(x: int), get().<|im_end|>\n<|im_start|>user\n{request}<|im_end|>\n")
+        group = []
+        for i in range(k):
+            spans = [(P, prompt), (A, tokenizer.encode(f"<tool_call>add({i})</tool_call>" + " ok" * i)), (E, tokenizer.encode(f'{{"value": {i}}}')),
+                     (A, tokenizer.encode(f"The counter is {i}." + "!" * (2 * i)))]
+            t = traj(spans, reward=float(i % 2), group=i)
+            t.task_id = f"task-{task}"
+            group.append(t)
+        groups.append(group)
+    return groups
+
+
+def grouped_rows(tokenizer, k=4, extra_plain=True):
+    groups = prompt_groups(tokenizer, k)
+    advs = [a for g in ADVANTAGES.get("role_grpo")(groups) for a in g.trajectories]
+    rows = build_rows([t for g in groups for t in g], advs, (A,), group_sizes=[len(g) for g in groups])
+    uniform = -math.log(len(tokenizer))  # ~ a random tiny model's logprob, so that ratios stay near 1
+    for r in rows:
+        r.old_logprobs = [uniform + 0.01 * (i % 3) if m else 0.0 for i, m in enumerate(r.loss_mask)]
+    if extra_plain:  # a row of no group: plain, next to the packs in one batch
+        ids = tokenizer.encode("A row of its own, trained from its third token on.")
+        rows.append(plain_row(ids, 2, adv=-0.5, old=uniform))
+    return rows
+
+
+def logprobs_and_grads(model, units, pad_id, chunk_size=512):
+    model.zero_grad(set_to_none=True)
+    batch = collate(units, pad_id)
+    logprobs, entropy = sequence_logprobs(model, batch, chunk_size=chunk_size)
+    loss, _ = ppo_loss(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, dual_clip=3.0)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return batch, logprobs.detach(), entropy.detach(), loss.item(), grads
+
+
+def assert_same_logprobs_and_grads(model, rows, pad_id, chunk_size=512, atol=1e-5, grad_rtol=1e-4):
+    units = pack_shared_prefixes(rows)
+    assert any(isinstance(u, PackedRows) for u in units)
+    plain_batch, plain_lp, plain_ent, plain_loss, plain_grads = logprobs_and_grads(model, rows, pad_id, chunk_size)
+    packed_batch, packed_lp, packed_ent, packed_loss, packed_grads = logprobs_and_grads(model, units, pad_id, chunk_size)
+    # the same rows in the same [B, T] layout: the loss needs no change
+    assert torch.equal(packed_batch.loss_mask, plain_batch.loss_mask) and torch.equal(packed_batch.input_ids, plain_batch.input_ids)
+    assert packed_batch.forwarded_tokens < plain_batch.forwarded_tokens
+    valid = plain_batch.attention_mask.bool()
+    valid[:, 0] = False  # position 0 has no logprob (0 in both)
+    assert packed_lp[:, 0].eq(0).all() and packed_lp[~plain_batch.attention_mask.bool()].eq(0).all()
+    torch.testing.assert_close(packed_lp[valid], plain_lp[valid], rtol=0, atol=atol)
+    torch.testing.assert_close(packed_ent[valid], plain_ent[valid], rtol=0, atol=10 * atol)
+    assert packed_loss == pytest.approx(plain_loss, rel=1e-5)
+    assert packed_grads.keys() == plain_grads.keys() and plain_grads
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, rtol=grad_rtol, atol=grad_rtol * grad.abs().max().item() + 1e-12, msg=name)
+    assert sum(g.abs().sum() for g in plain_grads.values()) > 0  # a nonzero gradient was compared
+
+
+@pytest.mark.parametrize("arch,attn", [("llama", "sdpa"), ("llama", "eager"), ("qwen2", "sdpa"), ("qwen2", "eager")])
+def test_packed_logprobs_and_gradients_match_separate_rows(tokenizer, arch, attn):
+    model = hf_tiny_model(tokenizer, arch=arch, attn_implementation=attn)
+    assert model.config._attn_implementation == attn
+    rows = grouped_rows(tokenizer)
+    assert len(rows) == 9 and len(pack_shared_prefixes(rows)) == 3  # two packs of 4 + one plain row, padded to one width
+    # chunk_size 7: the packed pairs run over several checkpointed LM-head chunks too
+    assert_same_logprobs_and_grads(model, rows, tokenizer.pad_token_id, chunk_size=7)
+
+
+def test_packed_logprobs_through_peft(tokenizer):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(hf_tiny_model(tokenizer), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    rows = grouped_rows(tokenizer, k=3)
+    assert_same_logprobs_and_grads(model, rows, tokenizer.pad_token_id)
+    with torch.no_grad(), model.disable_adapter():
+        base, _ = sequence_logprobs(model, collate(pack_shared_prefixes(rows), tokenizer.pad_token_id))
+    with torch.no_grad():
+        adapted, _ = sequence_logprobs(model, collate(pack_shared_prefixes(rows), tokenizer.pad_token_id))
+    assert not torch.allclose(adapted, base)  # the adapter is on the packed path
+
+
+class CPUAccelerator:
+    """What backward_micro_batches needs of an accelerate.Accelerator, on one CPU process."""
+
+    device = torch.device("cpu")
+
+    def no_sync(self, model):
+        return contextlib.nullcontext()
+
+    def autocast(self):
+        return contextlib.nullcontext()
+
+    def backward(self, loss):
+        loss.backward()
+
+
+def test_micro_batches_count_packed_length_and_split_long_groups(tokenizer):
+    rows = grouped_rows(tokenizer)
+    one, two, lone = pack_shared_prefixes(rows)
+    p, conts = one.prefix_len, [len(r.input_ids) - one.prefix_len for r in one.rows]
+    assert (p, conts, one.length) == (32, [26, 28, 29, 31], 146)  # prefix once + 4 continuations
+    assert (two.length, len(lone.input_ids)) == (150, 13)
+    # micro-batches count a pack as one row of its packed length: padded tokens = 2 x 150 here
+    assert [[id(u) for u in mb] for mb in micro_batches([one, two, lone], 300)] == [[id(two), id(one)], [id(lone)]]
+    assert [len(mb) for mb in micro_batches([one, two, lone], 299)] == [1, 2]  # (two), then (one, lone): 2 x 146
+    # a pack longer than the budget: sub-packs of consecutive continuations, each with the prefix.
+    # Budget 32 + 26 + 28 = 86: rows 0-1 (86) | row 2 (61; + row 3 would be 92) | row 3 (63),
+    # and a sub-pack of one row is that plain row.
+    budget = p + conts[0] + conts[1]
+    assert one.split(budget) == [PackedRows(one.rows[:2], p), one.rows[2], one.rows[3]]
+    parts = [u for mb in micro_batches([one], budget) for u in mb]
+    assert sorted(len(unit_rows([u])) for u in parts) == [1, 1, 2]
+    assert all((u.length if isinstance(u, PackedRows) else len(u.input_ids)) <= budget for u in parts)
+    assert one.split(one.length) == [one]  # whole when it fits
+    # a continuation longer than the budget on its own still gets its own micro-batch
+    assert [len(mb) for mb in micro_batches([one], 40)] == [1, 1, 1, 1]
+
+
+def test_backward_micro_batches_with_shared_prefixes_gives_the_same_gradient(tokenizer):
+    """The trainer's path: same step gradient with and without packing, also when a small budget
+    splits the packs into sub-packs and the rows into several micro-batches."""
+    model = hf_tiny_model(tokenizer)
+    rows = grouped_rows(tokenizer)
+    total = sum(sum(r.loss_mask) for r in rows)
+    longest = max(u.length for u in pack_shared_prefixes(rows) if isinstance(u, PackedRows))
+
+    def loss_fn(batch):
+        logprobs, entropy = sequence_logprobs(model, batch)
+        loss, m = ppo_loss(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, roles=batch.roles, entropy=entropy, num_tokens=total)
+        return loss, m | {"forwarded": batch.forwarded_tokens}
+
+    results = {}
+    for share, budget in [(False, 10_000), (True, 10_000), (True, longest - 1)]:
+        model.zero_grad(set_to_none=True)
+        metrics = backward_micro_batches(CPUAccelerator(), model, rows, budget, tokenizer.pad_token_id, loss_fn, share_prefix=share)
+        results[share, budget] = ({n: p.grad.clone() for n, p in model.named_parameters()}, metrics)
+    plain_grads, plain_metrics = results[False, 10_000]
+    assert len(plain_metrics) == 1
+    for key in [(True, 10_000), (True, longest - 1)]:
+        grads, metrics = results[key]
+        assert sum(m["tokens"] for m in metrics) == total == sum(m["tokens"] for m in plain_metrics)
+        assert sum(m["loss"] for m in metrics) == pytest.approx(plain_metrics[0]["loss"], rel=1e-5)
+        for name, grad in plain_grads.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-4 * grad.abs().max().item(), msg=name)
+    assert len(results[True, longest - 1][1]) > 1  # the small budget did split
+    assert sum(m["forwarded"] for m in results[True, 10_000][1]) == forwarded_tokens(pack_shared_prefixes(rows)) < plain_metrics[0]["forwarded"]
+
+
+def test_sft_rows_are_never_packed(tokenizer):
+    from envace.training.sft import sft_rows
+
+    groups = prompt_groups(tokenizer, k=2)
+    rows = sft_rows([t for g in groups for t in g], (A,))
+    assert all(r.prefix_group is None for r in rows) and pack_shared_prefixes(rows) == rows
+
+
+# ---- truncated importance sampling (TIS) ----------------------------------------------------
+
+
+def tis_inputs():
+    # One row of 3 trained tokens. The sampler (behaviour) differs from the trainer's old logprobs by
+    # old - behaviour = ln 0.5, ln 1.5, ln 4  ->  exp: 0.5, 1.5, 4  ->  w = min(., cap=2) = 0.5, 1.5, 2 (the third truncated).
+    # The current policy moved token 1 only: logprobs - old = ln 1.1, 0, 0 -> ratio 1.1, 1, 1 (the ratio uses old, not behaviour).
+    old = torch.tensor([[-1.0, -2.0, -0.5]])
+    behaviour = old - torch.tensor([[0.5, 1.5, 4.0]]).log()
+    logprobs = (old + torch.tensor([[1.1, 1.0, 1.0]]).log()).requires_grad_()
+    adv = torch.tensor([[1.0, -2.0, 1.0]])
+    return logprobs, old, behaviour, adv, torch.ones(1, 3)
+
+
+def test_ppo_loss_tis_hand_computed():
+    logprobs, old, behaviour, adv, mask = tis_inputs()
+    loss, metrics = ppo_loss(logprobs, old, adv, mask, behaviour_logprobs=behaviour, tis_cap=2.0)
+    # PPO per token, -min(r A, clip(r) A): 1.1,+1 -> -1.1 (1.1 < 1.2, unclipped) | 1,-2 -> 2 | 1,+1 -> -1
+    # times w: -1.1*0.5 = -0.55 | 2*1.5 = 3 | -1*2 = -2  ->  token mean (-0.55 + 3 - 2) / 3 = 0.15
+    assert loss.item() == pytest.approx(0.15)
+    assert metrics["pg_loss"] == pytest.approx(0.15)
+    assert metrics["logprob_mismatch"] == pytest.approx((math.log(2) + math.log(1.5) + math.log(4)) / 3)  # 0.8283
+    assert metrics["tis_weight"] == pytest.approx((0.5 + 1.5 + 2.0) / 3)
+    assert metrics["tis_truncated_frac"] == pytest.approx(1 / 3)
+    loss.backward()
+    # d/dlogp of w * (-r A) / 3 = w * (-r A) / 3 (w is detached): 0.5*(-1.1)/3, 1.5*2/3, 2*(-1)/3
+    assert logprobs.grad[0].tolist() == pytest.approx([-0.55 / 3, 1.0, -2 / 3])
+    # uncapped correction is off without a cap: plain PPO, (-1.1 + 2 - 1) / 3, mismatch still reported
+    plain, metrics = ppo_loss(logprobs, old, adv, mask, behaviour_logprobs=behaviour)
+    assert plain.item() == pytest.approx(-0.1 / 3)
+    assert "tis_weight" not in metrics and metrics["logprob_mismatch"] == pytest.approx(0.8283, abs=1e-4)
+    # a masked-out token counts in neither the loss nor the metrics: drop token 3 -> (-0.55 + 3) / 2
+    loss, metrics = ppo_loss(logprobs, old, adv, torch.tensor([[1.0, 1.0, 0.0]]), behaviour_logprobs=behaviour, tis_cap=2.0)
+    assert loss.item() == pytest.approx(1.225) and metrics["tis_truncated_frac"] == 0.0 and metrics["tis_weight"] == pytest.approx(1.0)
+
+
+def test_tis_without_a_mismatch_is_plain_ppo():
+    logprobs, old, _, adv, mask = tis_inputs()
+    plain, plain_metrics = ppo_loss(logprobs, old, adv, mask)
+    # no behaviour logprobs = same numerics: the cap changes nothing and adds no metric
+    same, metrics = ppo_loss(logprobs, old, adv, mask, tis_cap=2.0)
+    assert same.item() == plain.item() and metrics.keys() == plain_metrics.keys()
+    # behaviour == old: w = 1 everywhere
+    same, metrics = ppo_loss(logprobs, old, adv, mask, behaviour_logprobs=old.clone(), tis_cap=2.0)
+    assert same.item() == pytest.approx(plain.item()) and metrics["tis_weight"] == 1.0 and metrics["logprob_mismatch"] == 0.0
+    with pytest.raises(ValueError, match="tis_cap"):
+        ppo_loss(logprobs, old, adv, mask, tis_cap=0.0)
+
+
+def test_collate_behaviour_logprobs():
+    a = Row([1, 2, 3], [0, 1, 1], [0.0, 1.0, 1.0], [0.0, 1.0, 1.0], [0.0, -1.0, -2.0], behaviour_logprobs=[0.0, -1.5, -2.5])
+    b = Row([1, 4], [0, 1], [0.0, 1.0], [0.0, 1.0], [0.0, -3.0])  # positional 5-field construction still works
+    assert b.behaviour_logprobs is None and b.prefix_group is None
+    assert collate([b], pad_id=0).behaviour_logprobs is None
+    # a row without behaviour logprobs gets its old ones there (weight 1, no mismatch)
+    assert collate([a, b], pad_id=0).behaviour_logprobs.tolist() == [[0.0, -1.5, -2.5], [0.0, -3.0, 0.0]]
+
+
+@pytest.mark.parametrize("share_prefix", [False, True])
+def test_recompute_old_logprobs(tokenizer, share_prefix):
+    model = hf_tiny_model(tokenizer)
+    model.train()
+    rows = grouped_rows(tokenizer, k=3)
+    sampler = [list(r.old_logprobs) for r in rows]
+    fresh = recompute_old_logprobs(model, rows, tokenizer.pad_token_id, max_tokens=10_000, share_prefix=share_prefix)
+    assert model.training  # its mode is restored
+    assert [r.behaviour_logprobs for r in fresh] == sampler and [r.old_logprobs for r in rows] == sampler  # inputs untouched
+    batch = collate(rows, tokenizer.pad_token_id)
+    with torch.no_grad():
+        expected, _ = sequence_logprobs(model.eval(), batch)
+    for i, (row, new) in enumerate(zip(rows, fresh)):
+        for t, m in enumerate(row.loss_mask):
+            if m:
+                assert new.old_logprobs[t] == pytest.approx(expected[i, t].item(), abs=1e-5)
+            else:
+                assert new.old_logprobs[t] == row.old_logprobs[t]
+    # the update's first forward then has ratio 1 (approx_kl 0), and the mismatch is the sampler's
+    fb = collate(fresh, tokenizer.pad_token_id)
+    with torch.no_grad():
+        logprobs, _ = sequence_logprobs(model, fb)
+    _, metrics = ppo_loss(logprobs, fb.old_logprobs, fb.advantages, fb.loss_mask, behaviour_logprobs=fb.behaviour_logprobs, tis_cap=2.0)
+    assert metrics["approx_kl"] == pytest.approx(0.0, abs=1e-8) and metrics["logprob_mismatch"] > 0
+    # again: behaviour logprobs are kept, old ones refreshed
+    again = recompute_old_logprobs(model, fresh, tokenizer.pad_token_id)
+    assert [r.behaviour_logprobs for r in again] == sampler
+
+
+@pytest.mark.slow
+def test_packed_rows_match_separate_rows_on_the_default_model():
+    """The real SmolLM2-135M (fp32, sdpa): packed K=3 groups give the separate rows' logprobs
+    and every parameter's PPO gradient."""
+    from envace.backends.models import load_model
+
+    model, tokenizer = load_model("default", device="cpu", dtype=torch.float32)
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    rows = grouped_rows(tokenizer, k=3)
+    for r in rows:  # the real model's logprobs are far from uniform: keep the ratios near 1 anyway
+        r.old_logprobs = [0.0] * len(r.old_logprobs)
+    fresh = recompute_old_logprobs(model, rows, tokenizer.pad_token_id)
+    assert_same_logprobs_and_grads(model.train(), fresh, tokenizer.pad_token_id, atol=1e-4, grad_rtol=1e-3)

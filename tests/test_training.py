@@ -426,6 +426,36 @@ def test_each_steps_rollout_samples_from_the_weights_after_the_previous_updates(
     assert sorted(set(seen)) == [(0, 0, True), (1, 1, True), (2, 2, True)]
 
 
+SIGNAL = dict(SMALL, steps=1, reward="tests.training_rewards:rollout_index")  # rewards 0 and 1 in every group
+
+
+def test_sharing_the_prompt_in_the_update_forwards_fewer_tokens_and_trains_the_same_weights(tmp_path, task_file):
+    runs = {}
+    for share in (True, False):
+        trainer = Trainer(build(TrainConfig, dict(SIGNAL, tasks=task_file, precision="fp32", share_prefix=share, output_dir=str(tmp_path / str(share)))))
+        runs[share] = trainer.train_step()
+    shared, plain = runs[True], runs[False]
+    assert shared["policy/forwarded_tokens_unshared"] == plain["policy/forwarded_tokens"] == plain["policy/forwarded_tokens_unshared"]
+    assert shared["policy/forwarded_tokens"] < 0.7 * plain["policy/forwarded_tokens"]  # K=2 rollouts share each prompt
+    assert shared["policy/loss"] == pytest.approx(plain["policy/loss"], abs=1e-6)
+    # Adam's first step is ~lr * sign(grad), so float noise in near-zero gradients shows in the
+    # weights; the gradient itself is what packing must not change (tests/test_algorithms.py
+    # compares it parameter by parameter).
+    assert shared["policy/grad_norm"] == pytest.approx(plain["policy/grad_norm"], rel=1e-5)
+    assert shared["policy/skipped_update"] == 0 and shared["policy/grad_norm"] > 0  # the step did move the weights
+
+
+def test_a_bf16_update_recomputes_the_old_logprobs_and_weights_the_samplers_by_truncated_importance(tmp_path, task_file):
+    """The fp32 sampler's logprobs are not the bf16 update's: the ratio's old logprobs are the
+    update's own (so the first ratio is exactly 1: approx_kl 0), the sampler's only weight the
+    loss, and their mismatch is reported. In fp32 nothing is recomputed or reported."""
+    bf16 = Trainer(build(TrainConfig, dict(SIGNAL, tasks=task_file, precision="bf16", output_dir=str(tmp_path / "bf16")))).train_step()
+    fp32 = Trainer(build(TrainConfig, dict(SIGNAL, tasks=task_file, precision="fp32", output_dir=str(tmp_path / "fp32")))).train_step()
+    assert bf16["policy/logprob_mismatch"] > 0 and bf16["policy/tis_weight"] > 0
+    assert bf16["policy/approx_kl"] == pytest.approx(0.0, abs=1e-9)
+    assert "policy/logprob_mismatch" not in fp32 and "policy/tis_weight" not in fp32
+
+
 # ---- the judge reward and weighted rewards in training (issue #12) ---------------------------
 
 def test_a_missing_local_judge_model_fails_before_training():

@@ -7,13 +7,19 @@ tokens train is decided once, in `build_rows`, from the variant's trained roles 
 - "isolated": the main row trains ACT; each rehearsed response is its own row
   (`Trajectory.side_rows`), trained there because that is the context it was sampled in.
 
+Shared-prefix training (`pack_shared_prefixes`, `PackedRows`): the K rows of a task group share
+their prompt; packed into one sequence [prefix | cont_1 | ... | cont_K] the prefix is forwarded
+once, and `sequence_logprobs` still returns every original row's logprobs in the [B, T] layout.
+
 Formulas and the variant table: docs/algorithms.md.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Literal
+import contextlib
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Callable, ContextManager, Iterator, Literal, Sequence
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -34,12 +40,145 @@ class Row:
     roles: list[int]
     loss_mask: list[float]
     advantages: list[float]
-    old_logprobs: list[float]  # sampling logprob of token t (given tokens < t); 0 where not sampled
+    old_logprobs: list[float]  # logprob of token t (given tokens < t) that the PPO ratio compares with; 0 where not sampled
+    # The sampler's own logprobs when a rollout engine with other numerics (llama.cpp, bf16,
+    # quantised) drew the tokens while `old_logprobs` holds the trainer's recomputed ones
+    # (`recompute_old_logprobs`); None = sampler and trainer numerics are the same, no correction.
+    behaviour_logprobs: list[float] | None = None
+    # Rows with the same (non-None) value may be forwarded together sharing their common token
+    # prefix (`pack_shared_prefixes`); `build_rows` sets it to the task group's index.
+    prefix_group: int | None = None
+
+
+@dataclass
+class PackedRows:
+    """Rows that share their first `prefix_len` tokens, forwarded as ONE sequence
+
+        [prefix | cont_1 | ... | cont_K]        cont_k = rows[k].input_ids[prefix_len:]
+
+    Each continuation attends to the prefix and causally to itself, never to another
+    continuation, and its positions continue from `prefix_len`, so every token sees exactly the
+    context it has in its own row. The prefix holds no trained token (loss_mask 0) and every
+    continuation holds at least one token."""
+
+    rows: list[Row]
+    prefix_len: int
+
+    def __post_init__(self) -> None:
+        p = self.prefix_len
+        if not self.rows or p < 0:
+            raise ValueError("PackedRows needs at least one row and a prefix_len >= 0")
+        head = self.rows[0].input_ids[:p]
+        for row in self.rows:
+            if len(row.input_ids) <= p or row.input_ids[:p] != head:
+                raise ValueError(f"every row must start with the {p}-token prefix and continue past it")
+            if any(row.loss_mask[:p]):
+                raise ValueError("the shared prefix must hold no trained token (loss_mask 0)")
+
+    @property
+    def length(self) -> int:
+        """Tokens forwarded for the pack: the prefix once plus every continuation."""
+        return self.prefix_len + sum(len(r.input_ids) - self.prefix_len for r in self.rows)
+
+    def split(self, max_tokens: int) -> list[Row | PackedRows]:
+        """Sub-packs of consecutive continuations, each with the prefix and within `max_tokens`
+        where one continuation allows it (a continuation that alone exceeds it gets a sub-pack of
+        its own); a sub-pack of one row is that plain row. Whole when it fits already."""
+        if self.length <= max_tokens:
+            return [self]
+        parts: list[list[Row]] = [[]]
+        for row in self.rows:
+            used = self.prefix_len + sum(len(r.input_ids) - self.prefix_len for r in parts[-1])
+            if parts[-1] and used + len(row.input_ids) - self.prefix_len > max_tokens:
+                parts.append([])
+            parts[-1].append(row)
+        return [PackedRows(part, self.prefix_len) if len(part) > 1 else part[0] for part in parts]
+
+
+Unit = Row | PackedRows  # what a micro-batch holds: a plain row or a packed group
+
+
+def unit_rows(units: Sequence[Unit]) -> list[Row]:
+    """The original rows of `units`, in the order `collate` lays them out ([B, T] row b)."""
+    return [r for u in units for r in (u.rows if isinstance(u, PackedRows) else [u])]
+
+
+def unit_length(unit: Unit) -> int:
+    """Tokens one unit forwards (a packed group counts by its packed length)."""
+    return unit.length if isinstance(unit, PackedRows) else len(unit.input_ids)
+
+
+def forwarded_tokens(units: Sequence[Unit]) -> int:
+    """Real (non-pad) tokens the forward of `units` processes: sum of row lengths for plain rows,
+    prefix once + continuations for packed groups. Compare `forwarded_tokens(rows)` with
+    `forwarded_tokens(pack_shared_prefixes(rows))` for the saving."""
+    return sum(unit_length(u) for u in units)
+
+
+def shared_prefix_len(rows: Sequence[Row]) -> int:
+    """Longest common prefix of the rows' input_ids, cut before the first trained token of any
+    row and so that every row keeps at least one token after it."""
+    if not rows:
+        return 0
+    limit = min(len(r.input_ids) - 1 for r in rows)
+    for r in rows:
+        limit = min(limit, next((i for i, m in enumerate(r.loss_mask) if m), len(r.loss_mask)))
+    first = rows[0].input_ids
+    n = 0
+    while n < limit and all(r.input_ids[n] == first[n] for r in rows[1:]):
+        n += 1
+    return n
+
+
+def pack_shared_prefixes(rows: Sequence[Unit], min_prefix: int = 2) -> list[Unit]:
+    """Pack the rows of each `prefix_group` into one `PackedRows` over their `shared_prefix_len`.
+
+    A group of one row, a shared prefix shorter than `min_prefix`, and rows whose prefix_group
+    is None (SFT rows, isolated side rows) stay plain rows; units that are already packed pass
+    through. A pack takes the place of its group's first row; the order is otherwise kept.
+    Packing changes no logprob or gradient (up to float rounding), only what is forwarded."""
+    groups: dict[int, list[Row]] = {}
+    for u in rows:
+        if isinstance(u, Row) and u.prefix_group is not None:
+            groups.setdefault(u.prefix_group, []).append(u)
+    packs = {key: PackedRows(members, p) for key, members in groups.items()
+             if len(members) > 1 and (p := shared_prefix_len(members)) >= min_prefix}
+    packed = set(packs)
+    out: list[Unit] = []
+    for u in rows:
+        key = u.prefix_group if isinstance(u, Row) else None
+        if key not in packed:
+            out.append(u)
+        elif key in packs:  # the group's first row: the pack takes its place, the others are in it
+            out.append(packs.pop(key))
+    return out
+
+
+@dataclass
+class PackedInputs:
+    """The forward side of a batch holding packed groups (`collate` of `PackedRows`).
+
+    P packed rows of width L; N (predictor, target) pairs: token t of original row b is
+    predicted by the hidden state at flat index `pair_positions[token_pairs[b, t]]` of the
+    [P * L] packed hidden states (the position of token t-1; for a continuation's first token,
+    the prefix's last position), and pairs for prefix tokens are shared by the rows of a pack."""
+
+    input_ids: torch.Tensor  # [P, L]
+    position_ids: torch.Tensor  # [P, L]: prefix 0..p-1, each continuation p, p+1, ...; padding 0
+    segments: torch.Tensor  # [P, L]: 0 prefix, k >= 1 continuation k, -1 padding
+    pair_positions: torch.Tensor  # [N]: flat index into [P * L] of the predicting hidden state
+    pair_targets: torch.Tensor  # [N]: the token it predicts
+    token_pairs: torch.Tensor  # [B, T]: the pair giving token (b, t), -1 where none (t = 0, padding)
+
+    def to(self, device: torch.device | str) -> PackedInputs:
+        return PackedInputs(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
 
 @dataclass
 class Batch:
-    """Right-padded rows: every tensor is [B, T]."""
+    """Right-padded rows: every tensor is [B, T], one row per original `Row` (packed or not).
+    `packed` is set when the batch holds packed groups: the model then forwards it instead of
+    `input_ids`, and `sequence_logprobs` maps the result back to [B, T]."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
@@ -47,12 +186,19 @@ class Batch:
     loss_mask: torch.Tensor
     advantages: torch.Tensor
     old_logprobs: torch.Tensor
+    behaviour_logprobs: torch.Tensor | None = None  # None when no row has any
+    packed: PackedInputs | None = None
 
     def to(self, device: torch.device | str) -> Batch:
-        return Batch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        return Batch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device) for f in fields(self)})
+
+    @property
+    def forwarded_tokens(self) -> int:
+        """Real (non-pad) tokens the forward processes."""
+        return int((self.packed.segments >= 0).sum()) if self.packed is not None else int(self.attention_mask.sum())
 
 
-def _row(seq: Trajectory, advantages: list[float], trained: set[int]) -> Row:
+def _row(seq: Trajectory, advantages: list[float], trained: set[int], prefix_group: int | None = None) -> Row:
     ids = seq.token_ids
     if len(advantages) != len(ids):
         raise ValueError(f"task {seq.task_id!r}: {len(advantages)} advantages for {len(ids)} tokens")
@@ -60,7 +206,7 @@ def _row(seq: Trajectory, advantages: list[float], trained: set[int]) -> Row:
     mask = [1.0 if r in trained else 0.0 for r in roles]
     if mask and mask[0]:
         raise ValueError(f"task {seq.task_id!r}: a row cannot start with a trained token (nothing predicts it)")
-    return Row(ids, roles, mask, advantages, seq.logprobs)
+    return Row(ids, roles, mask, advantages, seq.logprobs, prefix_group=prefix_group)
 
 
 def _sequences(traj: Trajectory, adv: TrajectoryAdvantages, layout: Layout) -> list[tuple[Trajectory, list[float]]]:
@@ -87,36 +233,117 @@ def build_rows(
     advantages: list[TrajectoryAdvantages],
     trained_roles: tuple[Role, ...],
     layout: Layout = "transcript",
+    group_sizes: list[int] | None = None,
 ) -> list[Row]:
-    """Training rows for the given roles; rows without a trained token are left out."""
+    """Training rows for the given roles; rows without a trained token are left out.
+
+    Each main row's `prefix_group` is the index of its task group, for `pack_shared_prefixes`:
+    the groups are `group_sizes` consecutive trajectories each (the trainer's
+    `[len(g) for g in groups]`), or, when None, each run of consecutive trajectories with the
+    same `task_id`. Side rows (isolated layout) get None and stay unpacked."""
     if len(trajectories) != len(advantages):
         raise ValueError(f"{len(trajectories)} trajectories but {len(advantages)} advantage entries")
+    if group_sizes is None:
+        group_of = [0] * len(trajectories)
+        for i in range(1, len(trajectories)):
+            group_of[i] = group_of[i - 1] + (trajectories[i].task_id != trajectories[i - 1].task_id)
+    else:
+        if sum(group_sizes) != len(trajectories) or any(n < 0 for n in group_sizes):
+            raise ValueError(f"group_sizes {group_sizes} do not split {len(trajectories)} trajectories into groups")
+        group_of = [g for g, n in enumerate(group_sizes) for _ in range(n)]
     trained = {int(r) for r in trained_roles}
     rows = [
-        _row(seq, advs, trained)
-        for traj, adv in zip(trajectories, advantages)
+        _row(seq, advs, trained, group if seq is traj else None)
+        for traj, adv, group in zip(trajectories, advantages, group_of)
         for seq, advs in _sequences(traj, adv, layout)
     ]
     return [r for r in rows if any(r.loss_mask)]
 
 
-def collate(rows: list[Row], pad_id: int) -> Batch:
-    """Right-pad rows into tensors; padding is PROMPT-role, untrained, attention 0."""
+def collate(rows: Sequence[Unit], pad_id: int) -> Batch:
+    """Right-pad rows into [B, T] tensors; padding is PROMPT-role, untrained, attention 0.
+
+    `rows` may hold `PackedRows` (see `pack_shared_prefixes`): their rows take their places in
+    [B, T] (`unit_rows`), and the batch gets `packed` inputs for the forward, in which a plain
+    row is a pack of one continuation and no prefix. Rows without behaviour logprobs get their
+    old logprobs there (weight 1, no mismatch) when another row has them."""
     if not rows:
         raise ValueError("no rows to collate")
-    width = max(len(r.input_ids) for r in rows)
+    flat = unit_rows(rows)
+    width = max(len(r.input_ids) for r in flat)
 
     def pad(values: list, fill: float, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor([v + [fill] * (width - len(v)) for v in values], dtype=dtype)
 
+    behaviour = None
+    if any(r.behaviour_logprobs is not None for r in flat):
+        behaviour = pad([r.old_logprobs if r.behaviour_logprobs is None else r.behaviour_logprobs for r in flat], 0.0, torch.float32)
     return Batch(
-        input_ids=pad([r.input_ids for r in rows], pad_id, torch.long),
-        attention_mask=pad([[1] * len(r.input_ids) for r in rows], 0, torch.long),
-        roles=pad([r.roles for r in rows], int(Role.PROMPT), torch.long),
-        loss_mask=pad([r.loss_mask for r in rows], 0.0, torch.float32),
-        advantages=pad([r.advantages for r in rows], 0.0, torch.float32),
-        old_logprobs=pad([r.old_logprobs for r in rows], 0.0, torch.float32),
+        input_ids=pad([r.input_ids for r in flat], pad_id, torch.long),
+        attention_mask=pad([[1] * len(r.input_ids) for r in flat], 0, torch.long),
+        roles=pad([r.roles for r in flat], int(Role.PROMPT), torch.long),
+        loss_mask=pad([r.loss_mask for r in flat], 0.0, torch.float32),
+        advantages=pad([r.advantages for r in flat], 0.0, torch.float32),
+        old_logprobs=pad([r.old_logprobs for r in flat], 0.0, torch.float32),
+        behaviour_logprobs=behaviour,
+        packed=_packed_inputs(rows, pad_id, width) if any(isinstance(u, PackedRows) for u in rows) else None,
     )
+
+
+def _packed_inputs(units: Sequence[Unit], pad_id: int, width: int) -> PackedInputs:
+    packs = [u if isinstance(u, PackedRows) else PackedRows([u], 0) for u in units]
+    length = max(p.length for p in packs)
+    ids, positions, segments, token_pairs = [], [], [], []
+    pair_positions: list[int] = []
+    pair_targets: list[int] = []
+    for j, pack in enumerate(packs):
+        p, base, head = pack.prefix_len, j * length, pack.rows[0].input_ids
+        seq, pos, seg = head[:p], list(range(p)), [0] * p
+        shared = []  # the pair of prefix token t (t = 1..p-1), shared by the pack's rows
+        for t in range(1, p):
+            shared.append(len(pair_positions))
+            pair_positions.append(base + t - 1)
+            pair_targets.append(head[t])
+        for k, row in enumerate(pack.rows, start=1):
+            n, offset = len(row.input_ids), len(seq)
+            seq, pos, seg = seq + row.input_ids[p:], pos + list(range(p, n)), seg + [k] * (n - p)
+            pairs = [-1] * width
+            for t in range(1, n):
+                if t < p:
+                    pairs[t] = shared[t - 1]
+                    continue
+                pairs[t] = len(pair_positions)
+                pair_positions.append(base + (p - 1 if t == p else offset + t - 1 - p))
+                pair_targets.append(row.input_ids[t])
+            token_pairs.append(pairs)
+        fill = length - len(seq)
+        ids.append(seq + [pad_id] * fill)
+        positions.append(pos + [0] * fill)
+        segments.append(seg + [-1] * fill)
+    as_long = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
+    return PackedInputs(as_long(ids), as_long(positions), as_long(segments), as_long(pair_positions), as_long(pair_targets), as_long(token_pairs))
+
+
+def packed_attention_mask(segments: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
+    """The [P, 1, L, L] attention mask of packed rows, in the convention the model's attention reads.
+
+    Query i sees key j iff j <= i, j is a real token, and j is in the prefix (segment 0) or in
+    i's own segment. Every position also sees itself, so that no padding query has an empty
+    row (its softmax would be NaN, and NaN times a zero gradient is NaN). transformers passes a
+    4-D mask to the attention as given (`masking_utils._preprocess_mask_arguments`): sdpa hands
+    it to `scaled_dot_product_attention` (bool: True = attend), eager adds it to the scores
+    (float: 0 = attend, finfo(dtype).min = masked, as transformers' own eager masks)."""
+    length = segments.shape[1]
+    idx = torch.arange(length, device=segments.device)
+    query, key = segments[:, :, None], segments[:, None, :]
+    allowed = (idx[:, None] >= idx[None, :]) & (key >= 0) & ((key == 0) | (key == query))
+    allowed = (allowed | torch.eye(length, dtype=torch.bool, device=segments.device))[:, None]
+    if attn_implementation == "sdpa":
+        return allowed
+    if attn_implementation == "eager":
+        return torch.zeros(allowed.shape, dtype=dtype, device=segments.device).masked_fill(~allowed, torch.finfo(dtype).min)
+    raise ValueError(f"shared-prefix packing needs attn_implementation 'sdpa' or 'eager' (a custom 4-D mask), got {attn_implementation!r}; "
+                     "forward without packing (share_prefix=False)")
 
 
 def _token_logprobs(
@@ -140,18 +367,31 @@ def sequence_logprobs(model: torch.nn.Module, batch: Batch, chunk_size: int = 51
     `model` as given, so a DDP/DeepSpeed wrapper sees it and synchronises the gradients; it
     asks for the last position's logits only and the decoder's output is caught with a hook.
     Works for HF causal LMs and PEFT wrappers of them (`get_decoder()`, `get_output_embeddings()`).
+
+    A batch with `packed` inputs (packed groups) is forwarded in ONE model call over the packed
+    rows, with a 4-D attention mask (`packed_attention_mask`) and explicit position ids; the LM
+    head then runs once per (predicting position, target) pair, so a shared prefix's tokens are
+    scored once, and the result is laid out per original row ([B, T], 0 at padding).
     """
     from accelerate.utils import extract_model_from_parallel
 
     inner = extract_model_from_parallel(model)
+    packed = batch.packed
     caught: list[torch.Tensor] = []
     hook = inner.get_decoder().register_forward_hook(lambda _m, _args, out: caught.append(out[0] if isinstance(out, tuple) else out.last_hidden_state))
     try:
-        model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=1, use_cache=False)
+        if packed is None:
+            model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=1, use_cache=False)
+        else:
+            dtype = inner.get_input_embeddings().weight.dtype
+            mask = packed_attention_mask(packed.segments, inner.config._attn_implementation, dtype)
+            model(input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids, logits_to_keep=1, use_cache=False)
     finally:
         hook.remove()
     head = inner.get_output_embeddings()
     softcap = getattr(inner.config, "final_logit_softcapping", None)  # Gemma-style models
+    if packed is not None:
+        return _packed_logprobs(head, softcap, caught[0], packed, chunk_size)
     hidden, targets = caught[0][:, :-1], batch.input_ids[:, 1:]
     logps, entropies = [], []
     for start in range(0, hidden.shape[1], chunk_size):
@@ -161,6 +401,85 @@ def sequence_logprobs(model: torch.nn.Module, batch: Batch, chunk_size: int = 51
         entropies.append(ent)
     first = torch.zeros(hidden.shape[0], 1, device=hidden.device)
     return torch.cat([first, *logps], dim=1), torch.cat([first, *entropies], dim=1)
+
+
+def _packed_logprobs(head: torch.nn.Module, softcap: float | None, hidden: torch.Tensor, packed: PackedInputs,
+                     chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Score every (predicting position, target) pair, chunk_size positions per packed row at a
+    time (checkpointed as above), and gather the pairs into the original rows' [B, T]."""
+    if packed.pair_positions.numel() == 0:  # one-token rows only: nothing is predicted
+        zeros = torch.zeros(packed.token_pairs.shape, device=hidden.device)
+        return zeros, zeros.clone()
+    predictors = hidden.reshape(-1, hidden.shape[-1]).index_select(0, packed.pair_positions)
+    step = chunk_size * hidden.shape[0]
+    logps, entropies = [], []
+    for start in range(0, predictors.shape[0], step):
+        args = (head, softcap, predictors[start : start + step], packed.pair_targets[start : start + step])
+        lp, ent = checkpoint(_token_logprobs, *args, use_reentrant=False) if torch.is_grad_enabled() else _token_logprobs(*args)
+        logps.append(lp)
+        entropies.append(ent)
+    valid, index = packed.token_pairs >= 0, packed.token_pairs.clamp(min=0)
+    return torch.where(valid, torch.cat(logps)[index], 0.0), torch.where(valid, torch.cat(entropies)[index], 0.0)
+
+
+def recompute_old_logprobs(model: torch.nn.Module, rows: Sequence[Row], pad_id: int, max_tokens: int = 4096,
+                           share_prefix: bool = False, autocast: Callable[[], ContextManager] | None = None) -> list[Row]:
+    """The rows with `old_logprobs` recomputed by the trainer's model (one no-grad forward) and
+    the sampler's logprobs kept as `behaviour_logprobs`: call it before the update when a rollout
+    engine with other numerics sampled (then pass `tis_cap` to `ppo_loss`).
+
+    Before: `old_logprobs` holds the sampler's logprobs (as `build_rows` fills them). After:
+    `behaviour_logprobs` = those (unless the row already had behaviour logprobs, which are kept,
+    so calling it again only refreshes `old_logprobs`), and `old_logprobs` = the trainer's at the
+    trained positions (loss_mask > 0; elsewhere unchanged). Micro-batched like the update
+    (`max_tokens`, `share_prefix`), under `autocast` (e.g. `accelerator.autocast`) so that the
+    numerics are the update's; the model runs unwrapped (no DDP hooks) and in eval mode, then
+    back in its previous mode. Returns new rows, in the order given."""
+    from accelerate.utils import extract_model_from_parallel
+
+    inner = extract_model_from_parallel(model)
+    device = next(inner.parameters()).device
+    was_training = inner.training
+    inner.eval()
+    computed: dict[int, list[float]] = {}
+    try:
+        units = pack_shared_prefixes(rows) if share_prefix else list(rows)
+        with torch.no_grad():
+            for chunk in budget_micro_batches(units, max_tokens):
+                batch = collate(chunk, pad_id).to(device)
+                with (autocast or contextlib.nullcontext)():
+                    logprobs, _ = sequence_logprobs(inner, batch)
+                for row, values in zip(unit_rows(chunk), logprobs.float().cpu().tolist()):
+                    computed[id(row)] = values
+    finally:
+        inner.train(was_training)
+    out = []
+    for row in rows:
+        fresh = computed[id(row)]
+        old = [f if m > 0 else o for f, m, o in zip(fresh, row.loss_mask, row.old_logprobs)]
+        behaviour = row.old_logprobs if row.behaviour_logprobs is None else row.behaviour_logprobs
+        out.append(replace(row, old_logprobs=old, behaviour_logprobs=list(behaviour)))
+    return out
+
+
+def budget_micro_batches(units: Sequence[Unit], max_tokens: int) -> Iterator[list[Unit]]:
+    """Group units (longest first) so that units x padded length stays within `max_tokens`.
+
+    A packed group counts as one row of its packed length; one longer than `max_tokens` is first
+    split into sub-packs of its continuations, each with the prefix (`PackedRows.split`); a
+    single unit longer than the budget is a micro-batch of its own. Plain rows are grouped as
+    they always were. (`envace.training.setup.micro_batches` is this.)"""
+    split = [part for u in units for part in (u.split(max_tokens) if isinstance(u, PackedRows) else [u])]
+    ordered = sorted(split, key=unit_length, reverse=True)
+    batch: list[Unit] = []
+    for unit in ordered:
+        width = unit_length(batch[0]) if batch else unit_length(unit)
+        if batch and (len(batch) + 1) * width > max_tokens:
+            yield batch
+            batch = []
+        batch.append(unit)
+    if batch:
+        yield batch
 
 
 def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
@@ -203,6 +522,8 @@ def ppo_loss(
     roles: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     num_tokens: float | None = None,
+    behaviour_logprobs: torch.Tensor | None = None,
+    tis_cap: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-mean PPO loss over every trained token of the batch, whatever its role.
 
@@ -210,6 +531,14 @@ def ppo_loss(
     together give the token mean over the whole step (pass the step's trained-token count).
     `ref_logprobs` adds kl_coef * k3 per token, an estimate of KL(policy || reference); it is
     also reported when kl_coef is 0. `roles`/`entropy` only feed the metrics (per-role keys like `clip_frac/act`).
+
+    Truncated importance sampling (TIS, as verl's `tis_imp_ratio_cap`): when a sampler with other
+    numerics drew the tokens, `old_logprobs` are the trainer's recomputed ones and
+    `behaviour_logprobs` the sampler's; with `tis_cap` each token's policy-gradient loss is
+    multiplied by the detached w = min(exp(old - behaviour), tis_cap) (the KL term is not).
+    Given behaviour logprobs, `logprob_mismatch` = mean |old - behaviour| is reported, and with
+    the cap also `tis_weight` (mean w) and `tis_truncated_frac`. Without behaviour logprobs no
+    correction applies (same numerics), whatever `tis_cap` says.
     """
     if not logprobs.shape == old_logprobs.shape == advantages.shape == loss_mask.shape:
         raise ValueError("logprobs, old_logprobs, advantages and loss_mask must all be [B, T]")  # no silent broadcast
@@ -217,9 +546,23 @@ def ppo_loss(
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     if kl_coef and ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs from the frozen reference model")
+    if tis_cap is not None and not tis_cap > 0:
+        raise ValueError(f"tis_cap must be > 0 (or None for off), got {tis_cap}")
+    if behaviour_logprobs is not None and behaviour_logprobs.shape != logprobs.shape:
+        raise ValueError("behaviour_logprobs must be [B, T] like logprobs")
     mask = loss_mask > 0
     denom = num_tokens if num_tokens is not None else mask.sum().clamp(min=1)
     pg, was_clipped = ppo_token_loss(logprobs, old_logprobs, advantages, clip_eps, dual_clip)
+    tis: dict[str, torch.Tensor] = {}
+    if behaviour_logprobs is not None:
+        with torch.no_grad():
+            log_w = (old_logprobs - behaviour_logprobs).float()
+            tis["logprob_mismatch"] = log_w.abs()
+            if tis_cap is not None:
+                weight = torch.exp(log_w.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)).clamp(max=tis_cap)
+                tis |= {"tis_weight": weight, "tis_truncated_frac": (log_w > math.log(tis_cap)).float()}
+        if tis_cap is not None:
+            pg = pg * tis["tis_weight"]
     per_token = {"pg_loss": pg}
     if ref_logprobs is not None:
         per_token["ref_kl"] = _k3(ref_logprobs - logprobs)
@@ -227,7 +570,7 @@ def ppo_loss(
     # torch.where, not multiplication: a masked-out token's inf/nan must not reach the sum.
     loss = torch.where(mask, pg, 0.0).sum() / denom
     with torch.no_grad():
-        per_token |= {"adv": advantages, "clip_frac": was_clipped.float(), "approx_kl": _k3(logprobs - old_logprobs)}
+        per_token |= {"adv": advantages, "clip_frac": was_clipped.float(), "approx_kl": _k3(logprobs - old_logprobs)} | tis
         if entropy is not None:
             per_token["entropy"] = entropy
         metrics = _masked_means(per_token, mask, roles)

@@ -17,7 +17,7 @@ import yaml
 
 from envace import config as cfgmod
 from envace.config import ConfigError, field
-from envace.algorithms.losses import Row, collate
+from envace.algorithms.losses import PackedRows, Row, budget_micro_batches, collate, pack_shared_prefixes
 
 
 @dataclass
@@ -88,8 +88,14 @@ def make_accelerator(precision: str = "auto") -> Any:
     """The accelerate object: bf16 autocast or fp32 (`resolve_precision`), on GPU or CPU;
     multi-GPU when started with `accelerate launch`."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
     mixed = {"bf16": "bf16", "fp32": "no"}[resolve_precision(precision)]
+    shared = AcceleratorState._shared_state
+    if shared and shared.get("_mixed_precision", mixed) != mixed:
+        # accelerate keeps one precision per process; a second run in the same process (tests,
+        # a benchmark comparing precisions) may choose another. The process group is kept.
+        AcceleratorState._reset_state(reset_partial_state=False)
     return Accelerator(mixed_precision=mixed, cpu=not torch.cuda.is_available())
 
 
@@ -135,18 +141,11 @@ def make_scheduler(optimizer: Any, cfg: TrainingOptions, total_steps: int) -> An
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def micro_batches(rows: list[Row], max_tokens: int) -> Iterator[list[Row]]:
-    """Group rows (longest first) so that rows x padded length stays within `max_tokens`."""
-    ordered = sorted(rows, key=lambda r: len(r.input_ids), reverse=True)
-    batch: list[Row] = []
-    for row in ordered:
-        width = len(batch[0].input_ids) if batch else len(row.input_ids)
-        if batch and (len(batch) + 1) * width > max_tokens:
-            yield batch
-            batch = []
-        batch.append(row)
-    if batch:
-        yield batch
+def micro_batches(rows: list[Row | PackedRows], max_tokens: int) -> Iterator[list[Row | PackedRows]]:
+    """Group rows (longest first) so that rows x padded length stays within `max_tokens`.
+    A packed group (`PackedRows`) counts as one row of its packed length; one longer than
+    `max_tokens` is split into sub-packs of its continuations, each with the prefix."""
+    return budget_micro_batches(rows, max_tokens)
 
 
 def global_sum(accelerator: Any, value: float) -> float:
@@ -167,14 +166,17 @@ def shared_run_dir(accelerator: Any, output_dir: str | None, prefix: str) -> Pat
     return Path(name[0])
 
 
-def backward_micro_batches(accelerator: Any, model: Any, rows: list[Row], max_tokens: int, pad_id: int,
-                           loss_fn: Callable[[Any], tuple[torch.Tensor, dict[str, float]]]) -> list[dict[str, float]]:
+def backward_micro_batches(accelerator: Any, model: Any, rows: list[Row | PackedRows], max_tokens: int, pad_id: int,
+                           loss_fn: Callable[[Any], tuple[torch.Tensor, dict[str, float]]], share_prefix: bool = False) -> list[dict[str, float]]:
     """Forward and backward `loss_fn(batch) -> (loss, metrics)` over the micro-batches of `rows`;
     returns each micro-batch's metrics. Under DDP the gradients are all-reduced once, with the
     last micro-batch (`no_sync` before it), so processes holding different numbers of
     micro-batches stay in step; a process with no rows backpropagates a zero-loss padding row
-    so that it still joins that all-reduce."""
-    chunks = list(micro_batches(rows, max_tokens)) or [[Row([pad_id, pad_id], [0, 0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0])]]
+    so that it still joins that all-reduce. `share_prefix` packs the rows of each
+    `prefix_group` first (`pack_shared_prefixes`): one forward per micro-batch still, the same
+    [B, T] batch for `loss_fn`, fewer forwarded tokens."""
+    units = pack_shared_prefixes(rows) if share_prefix else rows
+    chunks = list(micro_batches(units, max_tokens)) or [[Row([pad_id, pad_id], [0, 0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0])]]
     metrics = []
     for i, chunk in enumerate(chunks):
         batch = collate(chunk, pad_id).to(accelerator.device)

@@ -19,7 +19,7 @@ import re
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from envace import config as cfgmod
 from envace.algorithms import ADVANTAGES, group_metrics
-from envace.algorithms.losses import build_rows, ppo_loss, sequence_logprobs
+from envace.algorithms.losses import build_rows, forwarded_tokens, pack_shared_prefixes, ppo_loss, recompute_old_logprobs, sequence_logprobs
 from envace.config import ConfigError, field
 from envace.accounting import WorldExecutions, task_data_executions
 from envace.manifest import build_manifest, inherited_executions, with_executions, write_manifest
@@ -70,6 +70,11 @@ class TrainConfig(TrainingOptions):
     clip_eps: float = field(0.2, help="PPO clip range: the ratio is clipped to [1 - clip_eps, 1 + clip_eps]")
     dual_clip: float | None = field(3.0, help="dual-clip constant (> 1) for negative advantages (None = off)")
     kl_coef: float = field(0.0, help="KL to the frozen initial model (0 = off)")
+    share_prefix: bool = field(True, help="forward each group's shared prompt once in the update (same gradients, fewer tokens)")
+    sampler: Literal["hf", "llamacpp"] = field("hf", help="rollout engine: hf (samples from the trained module itself) or llamacpp "
+                                               "(llama.cpp with the policy's weights pushed after every step; pip install -e '.[llamacpp]')")
+    sampler_dtype: Literal["f32", "f16", "bf16"] = field("f32", help="weights of the llama.cpp sampler's copy")
+    tis_cap: float = field(2.0, help="truncated importance weight cap for samples drawn with other numerics than the update's (bf16, llama.cpp)")
     samples_per_step: int = field(2, help="trajectories written to samples.jsonl per step")
 
     def validate(self) -> None:
@@ -121,6 +126,8 @@ class TrainConfig(TrainingOptions):
             raise ConfigError(f"dual_clip must be > 1 (a negative advantage's loss is capped at dual_clip times it), or null for off; got {self.dual_clip}")
         if self.kl_coef < 0:
             raise ConfigError(f"kl_coef must be >= 0 (0 = off), got {self.kl_coef}")
+        if self.tis_cap < 1:
+            raise ConfigError(f"tis_cap must be >= 1 (the importance weight min(exp(old - behaviour), cap) truncates above it), got {self.tis_cap}")
 
     def _validate_reward(self) -> None:
         judge_missing(self.reward, self.judge)
@@ -330,14 +337,21 @@ class Trainer:
         metrics = group_metrics(advantages)
         layout = "isolated" if any(t.side_rows for t in trajs) else "transcript"
         for name, model in self.models.trained.items():
-            rows = build_rows(trajs, advs, roles[name], layout)
+            rows = build_rows(trajs, advs, roles[name], layout, group_sizes=[len(g) for g in groups])
             metrics |= {f"{name}/{k}": v for k, v in self._optimize(name, model, rows).items()}
         return metrics
+
+    @property
+    def numerics_differ(self) -> bool:
+        """Whether the sampler's logprobs come from other numerics than the update's (a bf16
+        update, a llama.cpp sampler): then the PPO ratio's old logprobs are recomputed by the
+        update's own forward and the sampler's only weight the loss (truncated importance
+        sampling, `tis_cap`), never standing in for the policy's."""
+        return self.cfg.sampler != "hf" or self.accelerator.mixed_precision != "no"
 
     def _optimize(self, name: str, model: Any, rows: list) -> dict[str, float]:
         cfg = self.cfg
         optimizer, scheduler = self.models.optimizers[name], self.models.schedulers[name]
-        model.train()
         optimizer.zero_grad(set_to_none=True)
         total = global_sum(self.accelerator, sum(sum(r.loss_mask) for r in rows))
         # DDP averages gradients over processes: scale the denominator so the result is the
@@ -352,6 +366,12 @@ class Trainer:
                 warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
                 scheduler.step()
             return {"trained_tokens": float(total), "skipped_update": 1.0}
+        tis_cap = None
+        if self.numerics_differ:
+            rows = recompute_old_logprobs(model, rows, self.tokenizer.pad_token_id, cfg.micro_batch_tokens, cfg.share_prefix, self.accelerator.autocast)
+            tis_cap = cfg.tis_cap
+        model.train()
+
         def loss_fn(batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
             logprobs, entropy = sequence_logprobs(model, batch)
             ref = None
@@ -359,16 +379,18 @@ class Trainer:
                 with torch.no_grad():
                     ref, _ = sequence_logprobs(self.models.reference, batch)
             return ppo_loss(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, cfg.clip_eps, cfg.dual_clip, ref, cfg.kl_coef,
-                            roles=batch.roles, entropy=entropy, num_tokens=float(denom))
+                            roles=batch.roles, entropy=entropy, num_tokens=float(denom), behaviour_logprobs=batch.behaviour_logprobs, tis_cap=tis_cap)
 
-        for m in backward_micro_batches(self.accelerator, model, rows, cfg.micro_batch_tokens, self.tokenizer.pad_token_id, loss_fn):
+        for m in backward_micro_batches(self.accelerator, model, rows, cfg.micro_batch_tokens, self.tokenizer.pad_token_id, loss_fn, share_prefix=cfg.share_prefix):
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + (v if k == "loss" or k.startswith("tokens") else v * m[_token_key(k)])
         sums = {k: v if k == "loss" or k.startswith("tokens") else v / max(sums[_token_key(k)], 1.0) for k, v in sums.items()}
         grad_norm = self.accelerator.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.grad_clip)
         optimizer.step()
         scheduler.step()
-        return sums | {"grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0], "trained_tokens": float(total), "skipped_update": 0.0}
+        forwarded = forwarded_tokens(pack_shared_prefixes(rows) if cfg.share_prefix else rows)
+        return sums | {"grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0], "trained_tokens": float(total), "skipped_update": 0.0,
+                       "forwarded_tokens": float(forwarded), "forwarded_tokens_unshared": float(forwarded_tokens(rows))}
 
     def score(self, tasks: list[Task], groups: list[list[Trajectory]]) -> dict[str, float]:
         compute_rewards(self.cfg.reward, groups, tasks, Context(env=self.env, judge=self.judge))
@@ -480,7 +502,7 @@ def is_count(metric: str) -> bool:
     """Metrics that count this process's things (tokens trained, malformed outputs), summed over
     processes; `trained_tokens` and `env/*` are global already, and the rest are means."""
     parts = metric.split("/")
-    return metric in ("malformed", "tool_exceptions", "fidelity/calls") or (len(parts) > 1 and parts[1] == "tokens")
+    return metric in ("malformed", "tool_exceptions", "fidelity/calls") or (len(parts) > 1 and parts[1] in ("tokens", "forwarded_tokens", "forwarded_tokens_unshared"))
 
 
 def _token_key(metric: str) -> str:
