@@ -73,7 +73,7 @@ class TrainConfig(TrainingOptions):
     share_prefix: bool = field(True, help="forward each group's shared prompt once in the update (same gradients, fewer tokens)")
     sampler: Literal["hf", "llamacpp"] = field("hf", help="rollout engine: hf (samples from the trained module itself) or llamacpp "
                                                "(llama.cpp with the policy's weights pushed after every step; pip install -e '.[llamacpp]')")
-    sampler_dtype: Literal["f32", "f16", "bf16"] = field("f32", help="weights of the llama.cpp sampler's copy")
+    sampler_dtype: Literal["f32", "f16", "bf16", "q8_0"] = field("f32", help="weights of the llama.cpp sampler's copy (f32: numerics closest to the update's)")
     tis_cap: float = field(2.0, help="truncated importance weight cap for samples drawn with other numerics than the update's (bf16, llama.cpp)")
     samples_per_step: int = field(2, help="trajectories written to samples.jsonl per step")
 
@@ -126,6 +126,15 @@ class TrainConfig(TrainingOptions):
             raise ConfigError(f"dual_clip must be > 1 (a negative advantage's loss is capped at dual_clip times it), or null for off; got {self.dual_clip}")
         if self.kl_coef < 0:
             raise ConfigError(f"kl_coef must be >= 0 (0 = off), got {self.kl_coef}")
+        if self.sampler == "llamacpp":
+            from envace.backends.llamacpp import check_engine
+
+            if self.tiny:
+                raise ConfigError("--sampler llamacpp serves the model's own GGUF architecture; a --tiny model has none: use --sampler hf")
+            try:
+                check_engine(self.model)  # the base model's GGUF is the template of the engine's weights
+            except (ImportError, ValueError) as err:
+                raise ConfigError(f"--sampler llamacpp: {err}") from err
         if self.tis_cap < 1:
             raise ConfigError(f"tis_cap must be >= 1 (the importance weight min(exp(old - behaviour), cap) truncates above it), got {self.tis_cap}")
 
@@ -299,13 +308,27 @@ class Trainer:
         from envace.backends.hf import HFGenerator
 
         module = self.accelerator.unwrap_model(model)
+        trained = any(model is m for m in self.models.trained.values())
         generator = self.generators.get(stream)
         if generator is None:
-            generator = self.generators[stream] = HFGenerator(module, self.tokenizer)
-        if any(model is m for m in self.models.trained.values()) and generator.weights_version != self.step:
+            generator = self.generators[stream] = self._open_sampler(module) if trained else HFGenerator(module, self.tokenizer)
+        if trained and generator.weights_version != self.step:
             generator.sync_weights(PolicyWeights(module, version=self.step))
         generator.set_seed(sampling_seed(self.cfg.seed, self.step, self.accelerator.process_index, stream))
         return generator
+
+    def _open_sampler(self, module: Any) -> Any:
+        """The rollout engine of a trained model (`--sampler`): every episode of a step is in
+        flight at once, so it holds tasks_per_step x K sessions of up to max_total_tokens."""
+        from envace.backends.hf import HFGenerator
+
+        cfg = self.cfg
+        if cfg.sampler == "hf":
+            return HFGenerator(module, self.tokenizer)
+        from envace.backends.llamacpp import LlamaCppGenerator
+
+        return LlamaCppGenerator(module, self.tokenizer, cfg.model, dtype=cfg.sampler_dtype, max_sessions=cfg.tasks_per_step * cfg.k,
+                                 n_ctx_per_session=cfg.rollout.max_total_tokens + 1, seed=cfg.seed)
 
     # ---- one step ---------------------------------------------------------------------
     def rollout(self, tasks: list[Task]) -> list[list[Trajectory]]:

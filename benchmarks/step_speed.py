@@ -1,0 +1,356 @@
+"""How fast a GRPO step runs on this machine, against the machine's own limits and llama.cpp,
+everything measured side by side in ONE run (so the ratios hold on a noisy, shared machine).
+
+    python benchmarks/step_speed.py                       # ~15 min on 2 cores; writes the JSON and the table
+    python benchmarks/step_speed.py --write-docs          # also replaces the table in docs/performance.md
+    python benchmarks/step_speed.py --skip step           # leave out the GRPO-step comparison
+
+Sections (each one a function below; figures are for the default model, SmolLM2-135M):
+  machine   fp32 and bf16 matmul GFLOP/s measured now (2048^3), and from them the model's
+            matmul-bound token rate: GFLOP/s / (2 x matmul parameters) tokens/s;
+  decode    batch-1 and batch-32 decode tok/s after a real ~700-token tool prompt: envace's HF
+            backend, envace's llama.cpp backend (f32 weights pushed from the trainer's model), and
+            llama.cpp on the model's own Q4_1 GGUF (what a user would otherwise run);
+  prefill   tokens/s encoding 8 different prompts;
+  update    forward+backward of the PPO loss on K=4 rollouts of 2 tasks: fp32 vs bf16 autocast,
+            separate rows vs shared-prefix packing; forwarded tokens and effective GFLOP/s;
+  step      `envace train`'s step with today's settings vs the old ones (HF sampler, fp32, no
+            packing), same seeds, same tasks; greedy actions of both engines on 10 fixed tasks.
+Writes benchmarks/results/step_speed.json and prints the Markdown table of docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from envace.backends import HFGenerator, load_model
+from envace.backends.base import SamplingParams
+
+RESULTS = Path("benchmarks/results/step_speed.json")
+DOCS = Path("docs/performance.md")
+BEGIN, END = "<!-- step_speed:begin -->", "<!-- step_speed:end -->"
+SECTIONS = ("machine", "decode", "prefill", "update", "step")
+
+
+def best_of(n: int, fn: Callable[[], Any]) -> float:
+    """The fastest of n timed calls (the least disturbed by other jobs)."""
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def matmul_params(model: Any) -> int:
+    """Parameters that take part in a matmul per token (every Linear, the LM head included;
+    not the embedding lookup)."""
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def machine(model: Any) -> dict[str, float]:
+    out = {"threads": torch.get_num_threads(), "matmul_params": matmul_params(model)}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
+        out[f"matmul_gflops_{name}"] = 2 * 2048**3 / best_of(4, lambda: a @ b) / 1e9
+        out[f"token_limit_{name}"] = out[f"matmul_gflops_{name}"] * 1e9 / (2 * out["matmul_params"])
+    return out
+
+
+def tool_prompt(tokenizer: Any) -> list[int]:
+    """A real rollout prompt: a bank task's system prompt, tool documentation and user message."""
+    from envace.envs.environment import WorldEnvironment
+    from envace.envs.tasks import builtin_tasks
+    from envace.transcript import Transcript
+
+    task = builtin_tasks("test", 1, worlds=["bank"], difficulty=2)[0]
+    description, tools = WorldEnvironment().describe(task)
+    return Transcript(tokenizer).prompt(task.messages, description, tools).token_ids
+
+
+def decode_rate(generator: Any, prompt: list[int], batch: int, new_tokens: int) -> dict[str, float]:
+    """`batch` sessions fed `prompt` and one token generated (the prefill, timed), then
+    `new_tokens` more generated with nothing new fed: pure decode over the cached prompt (timed).
+    Stop conditions are off, so every session decodes all of them."""
+    sessions = generator.open(batch)
+    try:
+        start = time.perf_counter()
+        generator.generate(sessions, [list(prompt)] * batch, SamplingParams(max_new_tokens=1, temperature=0.0))
+        prefill_s = time.perf_counter() - start
+        start = time.perf_counter()
+        generator.generate(sessions, [[] for _ in range(batch)], SamplingParams(max_new_tokens=new_tokens, temperature=0.0))
+        decode_s = time.perf_counter() - start
+    finally:
+        generator.close(sessions)
+    return {"tok_per_s": batch * new_tokens / decode_s, "prefill_s": prefill_s, "decode_s": decode_s}
+
+
+def decode(model: Any, tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
+    prompt = tool_prompt(tokenizer)
+    engines: dict[str, Callable[[], Any]] = {"envace HF": lambda: HFGenerator(model, tokenizer)}
+    if llamacpp_available():
+        from envace.backends.llamacpp import LlamaCppGenerator
+
+        def engine(**kw: Any) -> Any:
+            return LlamaCppGenerator(model, tokenizer, args.model, max_sessions=32, n_ctx_per_session=len(prompt) + args.new_tokens + 8, **kw)
+
+        engines["envace llama.cpp f32 (trainer's weights)"] = lambda: engine(dtype="f32")
+        engines["llama.cpp on the shipped Q4_1 GGUF"] = lambda: engine(serve_template=True)
+    else:
+        print("llama.cpp rows skipped: pip install -e '.[llamacpp]'")
+    out: dict[str, Any] = {"prompt_tokens": len(prompt), "new_tokens": args.new_tokens}
+    for name, make in engines.items():
+        generator = make()
+        # llama.cpp prefills every session's prompt (its slots share nothing): batch 32 would
+        # spend minutes there, so its engines run batch 1 and 8; the HF backend all three.
+        batches = (1, 8, 32) if isinstance(generator, HFGenerator) else (1, 8)
+        out[name] = {f"batch{b}": decode_rate(generator, prompt, b, args.new_tokens) for b in batches}
+        print(f"decode {name}: " + ", ".join(f"{k} {v['tok_per_s']:.1f} tok/s" for k, v in out[name].items()), flush=True)
+        getattr(generator, "shutdown", lambda: None)()
+    return out
+
+
+def prefill(model: Any, tokenizer: Any, args: argparse.Namespace) -> dict[str, float]:
+    base = tool_prompt(tokenizer)
+    prompts = [[tokenizer.eos_token_id] * i + base for i in range(8)]  # different prompts: nothing shared
+    generator = HFGenerator(model, tokenizer)
+
+    def call() -> None:
+        sessions = generator.open(len(prompts))
+        generator.generate(sessions, prompts, SamplingParams(max_new_tokens=1, temperature=0.0))
+        generator.close(sessions)
+
+    seconds = best_of(2, call)
+    return {"tokens": sum(map(len, prompts)), "tok_per_s": sum(map(len, prompts)) / seconds}
+
+
+def update_rows(tokenizer: Any, k: int) -> list[Any]:
+    """K copies of the reference trajectories of two difficulty-1 tasks (bank, shop) as one GRPO
+    step would train them: ACT and the rehearsed tool responses trained, one group per task."""
+    from envace.algorithms.advantages import TrajectoryAdvantages
+    from envace.algorithms.losses import build_rows
+    from envace.envs.environment import WorldEnvironment
+    from envace.envs.tasks import builtin_tasks
+    from envace.training.sft import reference_trajectories
+    from envace.types import Role
+
+    tasks = builtin_tasks("train", 1, worlds=["bank", "shop"], difficulty=1)
+    trajs, _, _ = reference_trajectories(tasks, tokenizer, WorldEnvironment(), 4096)
+    for traj in trajs:
+        for turn in traj.turns:
+            if turn.role == Role.ENV:
+                turn.role, turn.logprobs = Role.REHEARSE, [-1.0] * len(turn.token_ids)
+    group = [t for t in trajs for _ in range(k)]
+    advantages = [TrajectoryAdvantages(outputs={}, tokens=[0.5 if i % 2 else -0.5] * len(t.token_ids), side_rows=[]) for i, t in enumerate(group)]
+    return build_rows(group, advantages, (Role.ACT, Role.REHEARSE), group_sizes=[k] * len(trajs))
+
+
+def update(model: Any, tokenizer: Any, limits: dict[str, float], args: argparse.Namespace) -> dict[str, Any]:
+    from envace.algorithms.losses import forwarded_tokens, pack_shared_prefixes, ppo_loss, sequence_logprobs
+    from envace.training.setup import backward_micro_batches, make_accelerator
+
+    rows = update_rows(tokenizer, args.k)
+    trained = sum(sum(r.loss_mask) for r in rows)
+    out: dict[str, Any] = {"rows": len(rows), "trained_tokens": trained}
+    model.train()
+    for precision in ("fp32", "bf16"):
+        accelerator = make_accelerator(precision)
+        for share in (False, True):
+            forwarded = forwarded_tokens(pack_shared_prefixes(rows) if share else rows)
+
+            def loss_fn(batch: Any) -> Any:
+                logprobs, _ = sequence_logprobs(model, batch)
+                return ppo_loss(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, num_tokens=trained)
+
+            def step() -> None:
+                model.zero_grad(set_to_none=True)
+                backward_micro_batches(accelerator, model, rows, 4096, tokenizer.pad_token_id, loss_fn, share_prefix=share)
+
+            seconds = best_of(args.reps, step)
+            name = f"{precision} {'shared prefix' if share else 'one row per rollout'}"
+            # fwd + bwd = 3 forwards' matmuls: 6 FLOPs per matmul parameter per forwarded token.
+            gflops = 6 * limits["matmul_params"] * forwarded / seconds / 1e9
+            out[name] = {"seconds": seconds, "forwarded_tokens": forwarded, "forwarded_tok_per_s": forwarded / seconds,
+                         "trained_tok_per_s": trained / seconds, "gflops": gflops, "of_peak": gflops / limits[f"matmul_gflops_{precision}"]}
+            print(f"update {name}: {seconds:.1f} s, {forwarded} forwarded tokens, {gflops:.0f} GFLOP/s ({out[name]['of_peak']:.0%} of {precision} peak)", flush=True)
+    model.zero_grad(set_to_none=True)
+    model.eval()
+    return out
+
+
+STEP_SETTINGS = {
+    "before (HF sampler, fp32, one row per rollout)": dict(sampler="hf", precision="fp32", share_prefix=False),
+    "now (HF sampler, auto precision, shared prefix)": dict(sampler="hf", precision="auto", share_prefix=True),
+    "now + llama.cpp f32 sampler": dict(sampler="llamacpp", precision="auto", share_prefix=True),
+}
+
+
+def step_child(settings: dict[str, Any]) -> None:
+    """One GRPO step of the demo's settings in this (fresh) process; prints its metrics as JSON
+    with the process's peak RSS."""
+    from envace.config import build
+    from envace.training.trainer import TrainConfig, Trainer
+
+    cfg = build(TrainConfig, dict(settings, steps=1, progress=False, tensorboard=False, save_every=1))
+    metrics = Trainer(cfg).train_step()
+    metrics["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print("STEP_METRICS " + json.dumps(metrics))
+
+
+def step(args: argparse.Namespace) -> dict[str, Any]:
+    import subprocess
+    import sys
+    import tempfile
+
+    demo = dict(model=args.model, init_from=args.init_from, variant="envace", tasks_per_step=2, k=args.k, lr=1e-5, difficulty=1, seed=0,
+                rollout=dict(max_turn_tokens=96, max_rehearse_tokens=128))
+    out: dict[str, Any] = {}
+    for name, settings in STEP_SETTINGS.items():
+        if settings["sampler"] == "llamacpp" and not llamacpp_available():
+            continue
+        with tempfile.TemporaryDirectory() as run_dir:
+            child = json.dumps(dict(demo, **settings, output_dir=run_dir))
+            proc = subprocess.run([sys.executable, __file__, "--child-step", child], capture_output=True, text=True)
+        line = next((l for l in proc.stdout.splitlines() if l.startswith("STEP_METRICS ")), None)
+        if line is None:
+            raise RuntimeError(f"the step '{name}' failed:\n{proc.stderr[-3000:]}")
+        m = json.loads(line.removeprefix("STEP_METRICS "))
+        out[name] = {k: m.get(k) for k in ("time/rollout_s", "time/update_s", "reward/mean", "policy/forwarded_tokens",
+                                           "policy/forwarded_tokens_unshared", "policy/logprob_mismatch", "peak_rss_gib")}
+        out[name]["step_s"] = m["time/rollout_s"] + m["time/update_s"]
+        print(f"step {name}: {out[name]['step_s']:.1f} s (rollout {m['time/rollout_s']:.1f}, update {m['time/update_s']:.1f}), peak RSS {m['peak_rss_gib']:.1f} GiB", flush=True)
+    return out
+
+
+def llamacpp_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("xllamacpp") is not None
+
+
+def same_greedy_actions(model: Any, tokenizer: Any) -> dict[str, Any]:
+    """Greedy real-mode rollouts of 10 fixed test tasks (2 per world, difficulty 1) by the HF
+    backend and the llama.cpp backend (f32 weights from the same model): identical ACT tokens?"""
+    from envace.backends.llamacpp import LlamaCppGenerator
+    from envace.envs.environment import WorldEnvironment
+    from envace.envs.tasks import builtin_tasks
+    from envace.rollout import RolloutConfig, RolloutEngine
+    from envace.types import Role
+
+    tasks = builtin_tasks("test", 2, difficulty=1)
+    config = RolloutConfig(mode="real", temperature=0.0, max_turns=6, max_turn_tokens=96)
+    acts, seconds = {}, {}
+    for name, make in (("hf", lambda: HFGenerator(model, tokenizer)),
+                       ("llamacpp", lambda: LlamaCppGenerator(model, tokenizer, "default", dtype="f32", max_sessions=len(tasks)))):
+        start = time.perf_counter()
+        groups = RolloutEngine(make(), WorldEnvironment(), config).run(tasks, k=1)
+        seconds[name] = time.perf_counter() - start
+        acts[name] = [[tok for turn in g[0].outputs(Role.ACT) for tok in turn.token_ids] for g in groups]
+    same = [a == b for a, b in zip(acts["hf"], acts["llamacpp"])]
+    return {"tasks": len(tasks), "identical": sum(same), "seconds": seconds}
+
+
+def table(r: dict[str, Any]) -> str:
+    """The Markdown of docs/performance.md: every figure next to what bounds it, from this run."""
+    m = r["machine"]
+    lines = [f"Machine now: fp32 matmul {m['matmul_gflops_fp32']:.0f} GFLOP/s, bf16 {m['matmul_gflops_bf16']:.0f} GFLOP/s, "
+             f"{m['threads']} threads; {m['matmul_params'] / 1e6:.0f}M matmul parameters, so the matmul-bound token rate is "
+             f"{m['token_limit_fp32']:.0f} tok/s in fp32 and {m['token_limit_bf16']:.0f} in bf16.", ""]
+    if "decode" in r:
+        d = r["decode"]
+        lines += [f"Decode after a {d['prompt_tokens']}-token tool prompt, {d['new_tokens']} new tokens, greedy (aggregate tok/s):", "",
+                  "| engine | batch 1 | batch 8 | batch 32 | batch 32 / fp32 matmul bound |", "|---|---|---|---|---|"]
+        for name, v in d.items():
+            if isinstance(v, dict):
+                cells = [f"{v[b]['tok_per_s']:.1f}" if b in v else "" for b in ("batch1", "batch8", "batch32")]
+                bound = f"{v['batch32']['tok_per_s'] / m['token_limit_fp32']:.0%}" if "batch32" in v else ""
+                lines.append(f"| {name} | {' | '.join(cells)} | {bound} |")
+        lines.append("")
+    if "prefill" in r:
+        p = r["prefill"]
+        lines += [f"Prefill (envace HF, 8 different prompts, {p['tokens']} tokens): {p['tok_per_s']:.0f} tok/s = "
+                  f"{p['tok_per_s'] / m['token_limit_fp32']:.0%} of the fp32 matmul bound.", ""]
+    if "update" in r:
+        u = r["update"]
+        lines += [f"Update (forward + backward of the PPO loss, {u['rows']} rows = 2 tasks x K, {u['trained_tokens']:.0f} trained tokens):", "",
+                  "| update | seconds | forwarded tokens | effective GFLOP/s | of that precision's matmul peak |", "|---|---|---|---|---|"]
+        for name, v in u.items():
+            if isinstance(v, dict):
+                lines.append(f"| {name} | {v['seconds']:.1f} | {v['forwarded_tokens']} | {v['gflops']:.0f} | {v['of_peak']:.0%} |")
+        lines.append("")
+    if "step" in r:
+        lines += ["GRPO step of the demo's settings (2 tasks x K=4, same seeds), each in its own process:", "",
+                  "| settings | step s | rollout s | update s | forwarded tokens (unshared) | logprob mismatch | peak RSS GiB |", "|---|---|---|---|---|---|---|"]
+        for name, v in r["step"].items():
+            mismatch = "" if v.get("policy/logprob_mismatch") is None else f"{v['policy/logprob_mismatch']:.4f}"
+            lines.append(f"| {name} | {v['step_s']:.1f} | {v['time/rollout_s']:.1f} | {v['time/update_s']:.1f} | "
+                         f"{v['policy/forwarded_tokens']:.0f} ({v['policy/forwarded_tokens_unshared']:.0f}) | {mismatch} | {v['peak_rss_gib']:.1f} |")
+        lines.append("")
+    if "greedy" in r:
+        g = r["greedy"]
+        lines += [f"Greedy real-mode rollouts of {g['tasks']} fixed test tasks, HF vs llama.cpp f32: {g['identical']}/{g['tasks']} with identical actions.", ""]
+    return "\n".join(lines)
+
+
+def write_docs(text: str, command: str) -> None:
+    doc = DOCS.read_text()
+    block = f"{BEGIN}\n```bash\n{command}\n```\n\n{text}\n{END}"
+    if BEGIN in doc:
+        doc = doc[: doc.index(BEGIN)] + block + doc[doc.index(END) + len(END):]
+    else:
+        doc += "\n" + block + "\n"
+    DOCS.write_text(doc)
+
+
+def main() -> None:
+    import sys
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="default")
+    p.add_argument("--init-from", default=None, help="checkpoint the GRPO step starts from (default: the base model)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--reps", type=int, default=1, help="repetitions of each update measurement (the fastest counts)")
+    p.add_argument("--skip", nargs="*", default=[], choices=[*SECTIONS, "greedy"])
+    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--write-docs", action="store_true")
+    p.add_argument("--child-step", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.child_step:
+        step_child(json.loads(args.child_step))
+        return
+    start = time.perf_counter()
+    model, tokenizer = load_model(args.model, dtype=torch.float32)
+    results: dict[str, Any] = {"command": " ".join(["python", *sys.argv]), "machine": machine(model)}
+    print(f"machine: {results['machine']}", flush=True)
+    if "decode" not in args.skip:
+        results["decode"] = decode(model, tokenizer, args)
+    if "prefill" not in args.skip:
+        results["prefill"] = prefill(model, tokenizer, args)
+    if "update" not in args.skip:
+        results["update"] = update(model, tokenizer, results["machine"], args)
+    if "greedy" not in args.skip and llamacpp_available():
+        results["greedy"] = same_greedy_actions(model, tokenizer)
+    if "step" not in args.skip:
+        results["step"] = step(args)
+    results["seconds"] = time.perf_counter() - start
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    text = table(results)
+    print(text)
+    if args.write_docs:
+        write_docs(text, results["command"])
+    print(f"done in {results['seconds'] / 60:.1f} min; wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
