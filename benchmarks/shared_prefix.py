@@ -3,6 +3,7 @@ packed into one row [prefix | cont_1 | ... | cont_K], on the real default model.
 
     python benchmarks/shared_prefix.py                      # K=4, 700-token prefix, 500-token continuations
     python benchmarks/shared_prefix.py --k 8 --reps 5
+    python benchmarks/shared_prefix.py --precision bf16     # under torch.autocast(bfloat16), fp32 master weights
 
 Tokens are real text (the repository's docs, tokenized), the prefix untrained and every
 continuation token trained, as in a group of rollouts of one task. Each repetition times one
@@ -14,6 +15,7 @@ Prints one JSON object (and writes it with --out).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -44,15 +46,16 @@ def group_rows(tokenizer, k: int, prefix: int, cont: int) -> list[Row]:
     return rows
 
 
-def step(model, units, pad_id: int, max_tokens: int, total: float, keep: bool = False):
+def step(model, units, pad_id: int, max_tokens: int, total: float, autocast, keep: bool = False):
     """One forward+backward over `units`; seconds, each row's logprobs by id, and (with keep) the grads."""
     model.zero_grad(set_to_none=True)
     start = time.perf_counter()
     logprobs = {}
     for chunk in micro_batches(units, max_tokens):
         batch = collate(chunk, pad_id)
-        lp, _ = sequence_logprobs(model, batch)
-        loss, _ = ppo_loss(lp, batch.old_logprobs, batch.advantages, batch.loss_mask, num_tokens=total)
+        with autocast():
+            lp, _ = sequence_logprobs(model, batch)
+            loss, _ = ppo_loss(lp, batch.old_logprobs, batch.advantages, batch.loss_mask, num_tokens=total)
         loss.backward()
         logprobs |= {id(r): lp[i, 1 : len(r.input_ids)].detach() for i, r in enumerate(unit_rows(chunk))}
     seconds = time.perf_counter() - start
@@ -69,29 +72,31 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--micro-batch-tokens", type=int, default=8192)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="bf16: forward under torch.autocast(bfloat16), fp32 weights")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, device="cpu", dtype=torch.float32)
     pad = tokenizer.pad_token_id
-    rows = recompute_old_logprobs(model, group_rows(tokenizer, args.k, args.prefix, args.cont), pad, args.micro_batch_tokens)
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if args.precision == "bf16" else contextlib.nullcontext
+    rows = recompute_old_logprobs(model, group_rows(tokenizer, args.k, args.prefix, args.cont), pad, args.micro_batch_tokens, autocast=autocast)
     packed = pack_shared_prefixes(rows)
     total = float(sum(sum(r.loss_mask) for r in rows))
     model.train()
     # Correctness in the same run: the same per-token logprobs and parameter gradients.
-    _, plain_lp, plain_grads = step(model, rows, pad, args.micro_batch_tokens, total, keep=True)
-    _, packed_lp, packed_grads = step(model, packed, pad, args.micro_batch_tokens, total, keep=True)
+    _, plain_lp, plain_grads = step(model, rows, pad, args.micro_batch_tokens, total, autocast, keep=True)
+    _, packed_lp, packed_grads = step(model, packed, pad, args.micro_batch_tokens, total, autocast, keep=True)
     max_lp_diff = max((plain_lp[i] - packed_lp[i]).abs().max().item() for i in plain_lp)
     max_grad_rel = max(((plain_grads[n] - packed_grads[n]).abs().max() / plain_grads[n].abs().max().clamp(min=1e-30)).item() for n in plain_grads)
     times: dict[str, list[float]] = {"separate": [], "packed": []}
     for rep in range(args.reps):
         order = [("separate", rows), ("packed", packed)]
         for name, units in order if rep % 2 == 0 else order[::-1]:
-            times[name].append(step(model, units, pad, args.micro_batch_tokens, total)[0])
+            times[name].append(step(model, units, pad, args.micro_batch_tokens, total, autocast)[0])
     sep, pk = statistics.median(times["separate"]), statistics.median(times["packed"])
     padded = lambda units: sum(len(mb) * max(map(unit_length, mb)) for mb in micro_batches(units, args.micro_batch_tokens))  # noqa: E731
     result = {
-        "model": args.model, "k": args.k, "prefix_tokens": args.prefix, "continuation_tokens": args.cont, "threads": args.threads,
+        "model": args.model, "precision": args.precision, "k": args.k, "prefix_tokens": args.prefix, "continuation_tokens": args.cont, "threads": args.threads,
         "micro_batch_tokens": args.micro_batch_tokens,
         "forwarded_tokens": {"separate": forwarded_tokens(rows), "packed": forwarded_tokens(packed)},
         "padded_tokens": {"separate": padded(rows), "packed": padded(packed)},
@@ -101,7 +106,7 @@ def main() -> None:
         "forwarded_ratio": round(forwarded_tokens(rows) / forwarded_tokens(packed), 3),
         "max_abs_logprob_diff": max_lp_diff, "max_rel_grad_diff": max_grad_rel,
     }
-    print(f"shared-prefix forward: {result['forwarded_ratio']:.2f}x fewer forwarded tokens at K={args.k} "
+    print(f"shared-prefix forward ({args.precision}): {result['forwarded_ratio']:.2f}x fewer forwarded tokens at K={args.k} "
           f"({result['forwarded_tokens']['separate']} -> {result['forwarded_tokens']['packed']}), "
           f"forward+backward {result['speedup']:.2f}x faster ({sep:.2f} s -> {pk:.2f} s, median of {args.reps})")
     print(json.dumps(result, indent=2))

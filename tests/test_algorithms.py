@@ -5,14 +5,16 @@ Expected numbers are worked out by hand in the comments (and in docs/algorithms.
 
 import contextlib
 import math
+import types
+from dataclasses import replace
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from envace.algorithms import ADVANTAGES, Row, build_rows, collate, group_metrics, ppo_loss, ppo_token_loss, sequence_logprobs
-from envace.algorithms.losses import (PackedRows, forwarded_tokens, pack_shared_prefixes, packed_attention_mask, recompute_old_logprobs,
-                                      shared_prefix_len, unit_rows)
+from envace.algorithms.losses import (PREFIX_GROUPED_ATTENTION, PackedLayout, PackedRows, forwarded_tokens, pack_shared_prefixes,
+                                      prefix_grouped_attention, recompute_old_logprobs, shared_prefix_len, unit_rows)
 from envace.backends.models import tiny_model as hf_tiny_model
 from envace.training.setup import backward_micro_batches, micro_batches
 from envace.training.variants import VARIANTS
@@ -413,24 +415,39 @@ def test_pack_shared_prefixes_cuts_before_trained_tokens():
         PackedRows([a, plain_row([1, 9, 9, 9], 3)], 2)
 
 
-def test_packed_attention_mask_layout():
-    # prefix of 2, continuation 1 (2 tokens), continuation 2 (1 token), one padding position
-    segments = torch.tensor([[0, 0, 1, 1, 2, -1]])
-    allowed = packed_attention_mask(segments, "sdpa", torch.float32)
-    assert allowed.dtype == torch.bool and allowed.shape == (1, 1, 6, 6)
-    assert allowed[0, 0].int().tolist() == [
-        [1, 0, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0, 0],
-        [1, 1, 1, 0, 0, 0],  # continuation 1 sees the prefix and itself
-        [1, 1, 1, 1, 0, 0],
-        [1, 1, 0, 0, 1, 0],  # continuation 2 sees the prefix, never continuation 1
-        [1, 1, 0, 0, 0, 1],  # padding sees itself (no empty softmax row) and attends nothing real beyond the prefix
-    ]
-    additive = packed_attention_mask(segments, "eager", torch.float32)
-    assert additive.dtype == torch.float32
-    assert torch.equal(additive == 0, allowed) and (additive[~allowed] == torch.finfo(torch.float32).min).all()
-    with pytest.raises(ValueError, match="sdpa"):
-        packed_attention_mask(segments, "flash_attention_2", torch.float32)
+def test_prefix_grouped_attention_matches_the_masked_attention_of_each_row():
+    """Two packed rows of width 6: [prefix 2 | cont 2 | cont 1 | pad] and a plain row [4 | pad 2];
+    GQA with 2 query heads per key/value head. Each token's output and the gradients of q, k and v
+    equal dense attention under "key j <= i, in the prefix or in i's own part", and padding outputs 0."""
+    layout = PackedLayout(6, ((2, (2, 1)), (0, (4,))))
+    assert layout.tokens == 9 and layout.longest_row == 4
+    segments = torch.tensor([[0, 0, 1, 1, 2, -1], [1, 1, 1, 1, -1, -1]])  # 0 prefix, k continuation k, -1 padding
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 6, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 6, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    out, weights = prefix_grouped_attention(types.SimpleNamespace(num_key_value_groups=2), q, k, v, None, scaling=0.3, packed_layout=layout)
+    assert weights is None and out.shape == (2, 6, 4, 8)  # [rows, length, heads, head_dim], as transformers' attention functions
+    idx = torch.arange(6)
+    query, key = segments[:, :, None], segments[:, None, :]
+    allowed = (idx[:, None] >= idx[None, :]) & (key >= 0) & ((key == 0) | (key == query)) & (query >= 0)
+    scores = (q @ k.repeat_interleave(2, dim=1).transpose(-1, -2) * 0.3).masked_fill(~allowed[:, None], -torch.inf)
+    expected = torch.nan_to_num(scores.softmax(-1)) @ v.repeat_interleave(2, dim=1)  # padding rows: 0
+    torch.testing.assert_close(out, expected.transpose(1, 2))
+    assert out[0, 5].eq(0).all() and out[1, 4:].eq(0).all()
+    grads = torch.autograd.grad(out.sin().sum(), (q, k, v))
+    for got, want in zip(grads, torch.autograd.grad(expected.transpose(1, 2).sin().sum(), (q, k, v))):
+        torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="packed_layout"):
+        prefix_grouped_attention(None, q, k, v, None)
+    with pytest.raises(ValueError, match="attention mask"):
+        prefix_grouped_attention(None, q, k, v, torch.ones(2, 1, 6, 6, dtype=torch.bool), packed_layout=layout)
+    with pytest.raises(ValueError, match="sliding window"):
+        prefix_grouped_attention(None, q, k, v, None, packed_layout=layout, sliding_window=3)
+    prefix_grouped_attention(types.SimpleNamespace(num_key_value_groups=2), q, k, v, None, packed_layout=layout, sliding_window=4)  # no row is longer
+    with pytest.raises(ValueError, match="softcap"):
+        prefix_grouped_attention(None, q, k, v, None, packed_layout=layout, softcap=30.0)
+    with pytest.raises(ValueError, match="rows of 6"):
+        prefix_grouped_attention(None, q[:1], k[:1], v[:1], None, packed_layout=layout)
 
 
 def prompt_groups(tokenizer, k=4):
@@ -514,6 +531,46 @@ def test_packed_logprobs_through_peft(tokenizer):
     with torch.no_grad():
         adapted, _ = sequence_logprobs(model, collate(pack_shared_prefixes(rows), tokenizer.pad_token_id))
     assert not torch.allclose(adapted, base)  # the adapter is on the packed path
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_packed_forward_under_activation_checkpointing(tokenizer, monkeypatch, lora):
+    """The trainer's activation_checkpointing (non-reentrant, also under LoRA, as load_trainable
+    sets it up): the backward recomputes each layer with the prefix-grouped attention too (2
+    layers: 2 calls in the forward, 2 in the backward), so the gradients are those of separate
+    rows; the model's attention implementation and checkpoint functions are its own again after."""
+    from envace.algorithms import losses
+
+    calls = []
+    original = losses.prefix_grouped_attention
+    monkeypatch.setattr(losses, "prefix_grouped_attention", lambda *a, **kw: calls.append(torch.is_grad_enabled()) or original(*a, **kw))
+    model = hf_tiny_model(tokenizer)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
+    checkpoint_fns = [m._gradient_checkpointing_func for m in layers]
+    assert_same_logprobs_and_grads(model, grouped_rows(tokenizer, k=3), tokenizer.pad_token_id)
+    assert len(calls) == 4
+    assert model.config._attn_implementation == "sdpa" and [m._gradient_checkpointing_func for m in layers] == checkpoint_fns
+
+
+def test_packed_forward_restores_the_attention_implementation(tokenizer):
+    model = hf_tiny_model(tokenizer, attn_implementation="eager")
+    batch = collate(pack_shared_prefixes(grouped_rows(tokenizer, k=2)), tokenizer.pad_token_id)
+    during = []
+    model.model.layers[0].register_forward_pre_hook(lambda *_: during.append(model.config._attn_implementation))
+    with torch.no_grad():
+        sequence_logprobs(model, batch)
+        sequence_logprobs(model, replace(batch, packed=None))  # plain rows: the model's own attention
+    assert during == [PREFIX_GROUPED_ATTENTION, "eager"] and model.config._attn_implementation == "eager"
+    bad = replace(batch, packed=replace(batch.packed, layout=PackedLayout(batch.packed.layout.width + 1, batch.packed.layout.rows)))
+    with pytest.raises(ValueError, match="packed_layout is for"), torch.no_grad():
+        sequence_logprobs(model, bad)
+    assert model.config._attn_implementation == "eager"  # also after an error in the forward
 
 
 class CPUAccelerator:

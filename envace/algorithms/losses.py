@@ -9,7 +9,9 @@ tokens train is decided once, in `build_rows`, from the variant's trained roles 
 
 Shared-prefix training (`pack_shared_prefixes`, `PackedRows`): the K rows of a task group share
 their prompt; packed into one sequence [prefix | cont_1 | ... | cont_K] the prefix is forwarded
-once, and `sequence_logprobs` still returns every original row's logprobs in the [B, T] layout.
+once, and `sequence_logprobs` still returns every original row's logprobs in the [B, T] layout;
+its attention (`prefix_grouped_attention`) computes the prefix's once and each continuation's
+over [prefix | itself] only.
 
 Formulas and the variant table: docs/algorithms.md.
 """
@@ -154,6 +156,28 @@ def pack_shared_prefixes(rows: Sequence[Unit], min_prefix: int = 2) -> list[Unit
     return out
 
 
+@dataclass(frozen=True)
+class PackedLayout:
+    """Where the pieces of each packed row lie, as python ints (the attention reads it with no
+    host sync): row j is [prefix (rows[j][0] tokens) | continuation 1 | ... | continuation K]
+    with continuation lengths rows[j][1], then padding up to `width`. A plain row is a pack of
+    one continuation and no prefix. `prefix_grouped_attention` reads it. (A dataclass, not a
+    tuple: DDP's scatter of the forward's inputs passes it through as it is.)"""
+
+    width: int
+    rows: tuple[tuple[int, tuple[int, ...]], ...]  # per packed row: (prefix length, continuation lengths)
+
+    @property
+    def tokens(self) -> int:
+        """Real (non-pad) tokens of the packed rows."""
+        return sum(p + sum(conts) for p, conts in self.rows)
+
+    @property
+    def longest_row(self) -> int:
+        """The longest original row: the context length a token may see."""
+        return max(p + max(conts) for p, conts in self.rows)
+
+
 @dataclass
 class PackedInputs:
     """The forward side of a batch holding packed groups (`collate` of `PackedRows`).
@@ -165,13 +189,13 @@ class PackedInputs:
 
     input_ids: torch.Tensor  # [P, L]
     position_ids: torch.Tensor  # [P, L]: prefix 0..p-1, each continuation p, p+1, ...; padding 0
-    segments: torch.Tensor  # [P, L]: 0 prefix, k >= 1 continuation k, -1 padding
+    layout: PackedLayout  # prefix and continuation lengths of each packed row
     pair_positions: torch.Tensor  # [N]: flat index into [P * L] of the predicting hidden state
     pair_targets: torch.Tensor  # [N]: the token it predicts
     token_pairs: torch.Tensor  # [B, T]: the pair giving token (b, t), -1 where none (t = 0, padding)
 
     def to(self, device: torch.device | str) -> PackedInputs:
-        return PackedInputs(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self) if f.name != "layout"})
 
 
 @dataclass
@@ -195,7 +219,7 @@ class Batch:
     @property
     def forwarded_tokens(self) -> int:
         """Real (non-pad) tokens the forward processes."""
-        return int((self.packed.segments >= 0).sum()) if self.packed is not None else int(self.attention_mask.sum())
+        return self.packed.layout.tokens if self.packed is not None else int(self.attention_mask.sum())
 
 
 def _row(seq: Trajectory, advantages: list[float], trained: set[int], prefix_group: int | None = None) -> Row:
@@ -293,20 +317,20 @@ def collate(rows: Sequence[Unit], pad_id: int) -> Batch:
 def _packed_inputs(units: Sequence[Unit], pad_id: int, width: int) -> PackedInputs:
     packs = [u if isinstance(u, PackedRows) else PackedRows([u], 0) for u in units]
     length = max(p.length for p in packs)
-    ids, positions, segments, token_pairs = [], [], [], []
+    ids, positions, token_pairs = [], [], []
     pair_positions: list[int] = []
     pair_targets: list[int] = []
     for j, pack in enumerate(packs):
         p, base, head = pack.prefix_len, j * length, pack.rows[0].input_ids
-        seq, pos, seg = head[:p], list(range(p)), [0] * p
+        seq, pos = head[:p], list(range(p))
         shared = []  # the pair of prefix token t (t = 1..p-1), shared by the pack's rows
         for t in range(1, p):
             shared.append(len(pair_positions))
             pair_positions.append(base + t - 1)
             pair_targets.append(head[t])
-        for k, row in enumerate(pack.rows, start=1):
+        for row in pack.rows:
             n, offset = len(row.input_ids), len(seq)
-            seq, pos, seg = seq + row.input_ids[p:], pos + list(range(p, n)), seg + [k] * (n - p)
+            seq, pos = seq + row.input_ids[p:], pos + list(range(p, n))
             pairs = [-1] * width
             for t in range(1, n):
                 if t < p:
@@ -319,31 +343,119 @@ def _packed_inputs(units: Sequence[Unit], pad_id: int, width: int) -> PackedInpu
         fill = length - len(seq)
         ids.append(seq + [pad_id] * fill)
         positions.append(pos + [0] * fill)
-        segments.append(seg + [-1] * fill)
+    layout = PackedLayout(length, tuple((pk.prefix_len, tuple(len(r.input_ids) - pk.prefix_len for r in pk.rows)) for pk in packs))
     as_long = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
-    return PackedInputs(as_long(ids), as_long(positions), as_long(segments), as_long(pair_positions), as_long(pair_targets), as_long(token_pairs))
+    return PackedInputs(as_long(ids), as_long(positions), layout, as_long(pair_positions), as_long(pair_targets), as_long(token_pairs))
 
 
-def packed_attention_mask(segments: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
-    """The [P, 1, L, L] attention mask of packed rows, in the convention the model's attention reads.
+PREFIX_GROUPED_ATTENTION = "envace_prefix_grouped"  # its name in transformers' AttentionInterface
 
-    Query i sees key j iff j <= i, j is a real token, and j is in the prefix (segment 0) or in
-    i's own segment. Every position also sees itself, so that no padding query has an empty
-    row (its softmax would be NaN, and NaN times a zero gradient is NaN). transformers passes a
-    4-D mask to the attention as given (`masking_utils._preprocess_mask_arguments`): sdpa hands
-    it to `scaled_dot_product_attention` (bool: True = attend), eager adds it to the scores
-    (float: 0 = attend, finfo(dtype).min = masked, as transformers' own eager masks)."""
-    length = segments.shape[1]
-    idx = torch.arange(length, device=segments.device)
-    query, key = segments[:, :, None], segments[:, None, :]
-    allowed = (idx[:, None] >= idx[None, :]) & (key >= 0) & ((key == 0) | (key == query))
-    allowed = (allowed | torch.eye(length, dtype=torch.bool, device=segments.device))[:, None]
-    if attn_implementation == "sdpa":
-        return allowed
-    if attn_implementation == "eager":
-        return torch.zeros(allowed.shape, dtype=dtype, device=segments.device).masked_fill(~allowed, torch.finfo(dtype).min)
-    raise ValueError(f"shared-prefix packing needs attn_implementation 'sdpa' or 'eager' (a custom 4-D mask), got {attn_implementation!r}; "
-                     "forward without packing (share_prefix=False)")
+
+def prefix_grouped_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    packed_layout: PackedLayout | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention over packed rows (Prefix Grouper), as a transformers attention function: query,
+    key and value are [P, heads, L, head_dim] and the output is [P, L, heads, head_dim].
+
+    Per packed row (`packed_layout`, passed through the model call as a keyword argument), one
+    `scaled_dot_product_attention` for the prefix, causal over the prefix, and one per
+    continuation over [prefix keys | its own keys] with the [n, p + n] mask "key j <= p + i", so
+    each continuation sees the prefix and causally itself, and only those scores are computed
+    (not the (packed length)^2 of a dense mask). Every continuation's gradient reaches the
+    prefix's keys and values. Padding positions output 0. The layout replaces the mask: the model
+    gets none (transformers builds none for an attention name it has no mask function for)."""
+    if packed_layout is None:
+        raise ValueError(f"the {PREFIX_GROUPED_ATTENTION!r} attention needs packed_layout= in the model call (sequence_logprobs passes it)")
+    if attention_mask is not None:
+        raise ValueError(f"the {PREFIX_GROUPED_ATTENTION!r} attention takes its layout from packed_layout, not from an attention mask")
+    if kwargs.get("softcap") is not None:
+        raise ValueError("shared-prefix packing does not support attention logit softcapping; forward without packing (share_prefix=False)")
+    window = kwargs.get("sliding_window")
+    if window is not None and packed_layout.longest_row > window:
+        raise ValueError(f"shared-prefix packing does not support a sliding window ({window}) shorter than a row "
+                         f"({packed_layout.longest_row} tokens); forward without packing (share_prefix=False)")
+    rows, width = packed_layout.rows, packed_layout.width
+    if query.shape[0] != len(rows) or query.shape[2] != width or key.shape[2] != width:
+        raise ValueError(f"packed_layout is for {len(rows)} rows of {width} tokens, the attention got query {tuple(query.shape)}, key {tuple(key.shape)}")
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:  # GQA: repeat the key/value heads once per layer (masked sdpa on CPU is no faster with enable_gqa)
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    outputs = []
+    for j, (p, conts) in enumerate(rows):
+        q, k, v = query[j : j + 1], key[j : j + 1], value[j : j + 1]
+        pieces = [sdpa(q[:, :, :p], k[:, :, :p], v[:, :, :p], dropout_p=dropout, scale=scaling, is_causal=True)] if p else []
+        start = p
+        for n in conts:
+            end = start + n
+            if p:
+                mask = torch.ones(n, p + n, dtype=torch.bool, device=query.device).tril(p)  # query i sees prefix and own keys <= i
+                keys, values = torch.cat([k[:, :, :p], k[:, :, start:end]], dim=2), torch.cat([v[:, :, :p], v[:, :, start:end]], dim=2)
+                pieces.append(sdpa(q[:, :, start:end], keys, values, attn_mask=mask, dropout_p=dropout, scale=scaling))
+            else:  # a plain row: causal over itself
+                pieces.append(sdpa(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], dropout_p=dropout, scale=scaling, is_causal=True))
+            start = end
+        if start < width:
+            pieces.append(pieces[-1].new_zeros(1, q.shape[1], width - start, value.shape[-1]))
+        outputs.append(torch.cat(pieces, dim=2))
+    return torch.cat(outputs).transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def _attention_implementation(model: torch.nn.Module, name: str) -> Iterator[None]:
+    """`model` (an HF model or a PEFT wrapper of one) with `name` as its attention implementation
+    for the duration (`set_attn_implementation`), then its own again."""
+    previous = model.config._attn_implementation
+    if previous == name:
+        yield
+        return
+    model.set_attn_implementation(name)
+    if model.config._attn_implementation != name:  # transformers only warns for models that do not dispatch through AttentionInterface
+        raise ValueError(f"{type(model).__name__} does not take its attention from transformers' AttentionInterface, which shared-prefix "
+                         "packing needs; forward without packing (share_prefix=False)")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
+@contextlib.contextmanager
+def _prefix_grouped(model: torch.nn.Module) -> Iterator[None]:
+    """The packed forward's attention: `prefix_grouped_attention` for the duration, in the forward
+    and in the backward's recomputation of layers under activation checkpointing (each such
+    layer's checkpoint function runs its layer under it too, then is restored)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(PREFIX_GROUPED_ATTENTION, prefix_grouped_attention)
+
+    def grouped(fn: Callable) -> Callable:
+        def run(*args, **kwargs):
+            with _attention_implementation(model, PREFIX_GROUPED_ATTENTION):
+                return fn(*args, **kwargs)
+        return run
+
+    def checkpointing(checkpoint_fn: Callable) -> Callable:  # the checkpoint stores grouped(fn) to recompute
+        return lambda fn, *args, **kwargs: checkpoint_fn(grouped(fn), *args, **kwargs)
+
+    # transformers sets `_gradient_checkpointing_func` on every module it checkpoints with (activation_checkpointing_enable)
+    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) and "_gradient_checkpointing_func" in vars(m)]
+    originals = [m._gradient_checkpointing_func for m in layers]
+    for layer, checkpoint_fn in zip(layers, originals):
+        layer._gradient_checkpointing_func = checkpointing(checkpoint_fn)
+    try:
+        with _attention_implementation(model, PREFIX_GROUPED_ATTENTION):
+            yield
+    finally:
+        for layer, checkpoint_fn in zip(layers, originals):
+            layer._gradient_checkpointing_func = checkpoint_fn
 
 
 def _token_logprobs(
@@ -369,9 +481,12 @@ def sequence_logprobs(model: torch.nn.Module, batch: Batch, chunk_size: int = 51
     Works for HF causal LMs and PEFT wrappers of them (`get_decoder()`, `get_output_embeddings()`).
 
     A batch with `packed` inputs (packed groups) is forwarded in ONE model call over the packed
-    rows, with a 4-D attention mask (`packed_attention_mask`) and explicit position ids; the LM
-    head then runs once per (predicting position, target) pair, so a shared prefix's tokens are
-    scored once, and the result is laid out per original row ([B, T], 0 at padding).
+    rows, with explicit position ids and the model's attention switched to
+    `prefix_grouped_attention` for the call (and for its layers' recomputation in the backward
+    under activation checkpointing), which reads the rows' layout from the `packed_layout`
+    keyword argument that transformers passes down to the attention; the LM head then runs once
+    per (predicting position, target) pair, so a shared prefix's tokens are scored once, and the
+    result is laid out per original row ([B, T], 0 at padding).
     """
     from accelerate.utils import extract_model_from_parallel
 
@@ -383,9 +498,8 @@ def sequence_logprobs(model: torch.nn.Module, batch: Batch, chunk_size: int = 51
         if packed is None:
             model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=1, use_cache=False)
         else:
-            dtype = inner.get_input_embeddings().weight.dtype
-            mask = packed_attention_mask(packed.segments, inner.config._attn_implementation, dtype)
-            model(input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids, logits_to_keep=1, use_cache=False)
+            with _prefix_grouped(inner):
+                model(input_ids=packed.input_ids, position_ids=packed.position_ids, packed_layout=packed.layout, logits_to_keep=1, use_cache=False)
     finally:
         hook.remove()
     head = inner.get_output_embeddings()

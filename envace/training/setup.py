@@ -37,7 +37,7 @@ class TrainingOptions:
     precision: Literal["auto", "fp32", "bf16"] = field(
         "auto", help="forward/backward precision: bf16 autocast over fp32 master weights, fp32, or auto = bf16 where the "
         "hardware computes it natively (a GPU with bf16, a CPU with avx512_bf16 or AMX), fp32 elsewhere")
-    activation_checkpointing: bool = field(False, help="recompute each decoder layer's activations in the backward pass (less memory, ~30% more compute)")
+    activation_checkpointing: bool = field(False, help="recompute each decoder layer's activations in the backward pass (less memory, about 1.3x the compute)")
     seed: int = field(0, help="random seed")
     output_dir: str | None = field(None, help="run directory (default runs/<command>-<time>)")
     resume: bool = field(False, help="continue the run in --output-dir from its last checkpoint")
