@@ -200,8 +200,24 @@ def step_child(settings: dict[str, Any]) -> None:
 
     cfg = build(TrainConfig, dict(settings, steps=1, progress=False, tensorboard=False, save_every=1))
     metrics = Trainer(cfg).train_step()
-    metrics["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    metrics["peak_rss_gib"] = peak_rss_gib()
     print("STEP_METRICS " + json.dumps(metrics))
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident memory. VmHWM, not getrusage's ru_maxrss, which a child
+    inherits from the parent it was forked from (here: a parent holding several engines)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def alternating(task: Any, traj: Any, ctx: Any) -> tuple[float, dict]:
+    """The step benchmark's reward: 0 and 1 alternating within each group, so every group has a
+    learning signal and the update always runs (with the real reward an untrained model's groups
+    often score all 0 and the update is skipped, which would time nothing)."""
+    return float(traj.group % 2), {}
 
 
 def step(args: argparse.Namespace) -> dict[str, Any]:
@@ -210,6 +226,7 @@ def step(args: argparse.Namespace) -> dict[str, Any]:
     import tempfile
 
     demo = dict(model=args.model, init_from=args.init_from, variant="envace", tasks_per_step=2, k=args.k, lr=1e-5, difficulty=1, seed=0,
+                reward="step_speed:alternating",  # the child runs this file as a script: benchmarks/ is on its path
                 rollout=dict(max_turn_tokens=96, max_rehearse_tokens=128))
     out: dict[str, Any] = {}
     for name, settings in STEP_SETTINGS.items():
@@ -290,6 +307,8 @@ def table(r: dict[str, Any]) -> str:
                   "| settings | step s | rollout s | update s | forwarded tokens (unshared) | logprob mismatch | peak RSS GiB |", "|---|---|---|---|---|---|---|"]
         for name, v in r["step"].items():
             mismatch = "" if v.get("policy/logprob_mismatch") is None else f"{v['policy/logprob_mismatch']:.4f}"
+            if v.get("policy/forwarded_tokens") is None:
+                raise RuntimeError(f"the step '{name}' skipped its update: nothing was timed")
             lines.append(f"| {name} | {v['step_s']:.1f} | {v['time/rollout_s']:.1f} | {v['time/update_s']:.1f} | "
                          f"{v['policy/forwarded_tokens']:.0f} ({v['policy/forwarded_tokens_unshared']:.0f}) | {mismatch} | {v['peak_rss_gib']:.1f} |")
         lines.append("")

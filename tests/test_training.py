@@ -449,7 +449,10 @@ def test_a_bf16_update_recomputes_the_old_logprobs_and_weights_the_samplers_by_t
     """The fp32 sampler's logprobs are not the bf16 update's: the ratio's old logprobs are the
     update's own (so the first ratio is exactly 1: approx_kl 0), the sampler's only weight the
     loss, and their mismatch is reported. In fp32 nothing is recomputed or reported."""
-    bf16 = Trainer(build(TrainConfig, dict(SIGNAL, tasks=task_file, precision="bf16", output_dir=str(tmp_path / "bf16")))).train_step()
+    trainer = Trainer(build(TrainConfig, dict(SIGNAL, tasks=task_file, precision="bf16", output_dir=str(tmp_path / "bf16"))))
+    module = trainer.accelerator.unwrap_model(trainer.models.policy)
+    assert "_original_forward" not in module.__dict__  # accelerate's autocast wrapper is off: the rollout samples in fp32
+    bf16 = trainer.train_step()
     fp32 = Trainer(build(TrainConfig, dict(SIGNAL, tasks=task_file, precision="fp32", output_dir=str(tmp_path / "fp32")))).train_step()
     assert bf16["policy/logprob_mismatch"] > 0 and bf16["policy/tis_weight"] > 0
     assert bf16["policy/approx_kl"] == pytest.approx(0.0, abs=1e-9)
