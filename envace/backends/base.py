@@ -34,6 +34,30 @@ def per_session(params: ParamsArg, n: int) -> list[SamplingParams]:
     return params
 
 
+def check_call(sessions: list[int], new_tokens: list[list[int]], params: list[SamplingParams], open_sessions: dict[int, Any]) -> list[Any]:
+    """The states of a `generate` call's sessions (`open_sessions[i]`, each with its `tokens`),
+    after the checks every local backend makes: one token list per session, no session twice,
+    max_new_tokens >= 1, one sampling distribution per call (limits and stops may differ), only
+    open sessions, and something to condition on."""
+    if len(sessions) != len(new_tokens):
+        raise ValueError(f"{len(sessions)} sessions but {len(new_tokens)} token lists")
+    if len(set(sessions)) != len(sessions):
+        raise ValueError("a session may appear only once per generate call")
+    if any(p.max_new_tokens < 1 for p in params):
+        raise ValueError(f"max_new_tokens must be >= 1, got {min(p.max_new_tokens for p in params)}")
+    # The rows of a batch share one softmax(logits / T) and nucleus.
+    if len({(p.temperature, p.top_p) for p in params}) > 1:
+        raise ValueError("the sessions of one generate call must share temperature and top_p (limits and stops may differ)")
+    unknown = [i for i in sessions if i not in open_sessions]
+    if unknown:
+        raise KeyError(f"sessions {unknown} are not open")
+    states = [open_sessions[i] for i in sessions]
+    empty = [i for i, s, new in zip(sessions, states, new_tokens) if not s.tokens and not new]
+    if empty:
+        raise ValueError(f"sessions {empty} have no tokens to condition on: pass the prompt")
+    return states
+
+
 @dataclass
 class Completion:
     token_ids: list[int]  # as sampled, stop token/string included

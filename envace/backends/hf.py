@@ -45,7 +45,7 @@ from typing import Any, Iterator
 import torch
 from transformers import DynamicCache
 
-from envace.backends.base import Completion, GenStats, ParamsArg, PolicyWeights, SamplingParams, StaleSessionsError, per_session
+from envace.backends.base import Completion, GenStats, ParamsArg, PolicyWeights, SamplingParams, StaleSessionsError, check_call, per_session
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [batch, kv_heads, seq, head_dim]
 
@@ -224,7 +224,7 @@ class HFGenerator:
 
     def generate(self, sessions: list[int], new_tokens: list[list[int]], params: ParamsArg) -> list[Completion]:
         params = per_session(params, len(sessions))
-        states = self._validate(sessions, new_tokens, params)
+        states = check_call(sessions, new_tokens, params, self._sessions)
         before = [len(s.tokens) for s in states]
         start = time.perf_counter()
         was_training = self.model.training
@@ -246,25 +246,6 @@ class HFGenerator:
         self.stats.calls += 1
         self.stats.seconds += time.perf_counter() - start
         return completions
-
-    def _validate(self, sessions: list[int], new_tokens: list[list[int]], params: list[SamplingParams]) -> list[_Session]:
-        if len(sessions) != len(new_tokens):
-            raise ValueError(f"{len(sessions)} sessions but {len(new_tokens)} token lists")
-        if len(set(sessions)) != len(sessions):
-            raise ValueError("a session may appear only once per generate call")
-        if any(p.max_new_tokens < 1 for p in params):
-            raise ValueError(f"max_new_tokens must be >= 1, got {min(p.max_new_tokens for p in params)}")
-        # One sampling distribution per batch: the rows share one softmax(logits / T) and nucleus.
-        if len({(p.temperature, p.top_p) for p in params}) > 1:
-            raise ValueError("the sessions of one generate call must share temperature and top_p (limits and stops may differ)")
-        unknown = [i for i in sessions if i not in self._sessions]
-        if unknown:
-            raise KeyError(f"sessions {unknown} are not open")
-        states = [self._sessions[i] for i in sessions]
-        empty = [i for i, s, new in zip(sessions, states, new_tokens) if not s.tokens and not new]
-        if empty:
-            raise ValueError(f"sessions {empty} have no tokens to condition on: pass the prompt")
-        return states
 
     def _share_prompts(self, states: list[_Session], chunks: list[list[int]]) -> list[list[int]]:
         """Sessions that start from the same prompt in one call (K rollouts of a task, N parallel

@@ -101,6 +101,7 @@ from envace.backends.base import (
     PolicyWeights,
     SamplingParams,
     StaleSessionsError,
+    check_call,
     per_session,
 )
 from envace.backends.hf import finish_reason
@@ -607,24 +608,9 @@ class LlamaCppGenerator:
             raise RuntimeError("this LlamaCppGenerator was shut down")
 
     def _validate(self, sessions: list[int], new_tokens: list[list[int]], params: list[SamplingParams]) -> list[_Session]:
-        if len(sessions) != len(new_tokens):
-            raise ValueError(f"{len(sessions)} sessions but {len(new_tokens)} token lists")
-        if len(set(sessions)) != len(sessions):
-            raise ValueError("a session may appear only once per generate call")
         if len(sessions) > self.max_sessions:
             raise ValueError(f"{len(sessions)} sessions in one call but the engine has max_sessions={self.max_sessions} slots")
-        if any(p.max_new_tokens < 1 for p in params):
-            raise ValueError(f"max_new_tokens must be >= 1, got {min(p.max_new_tokens for p in params)}")
-        # As HFGenerator: one sampling distribution per call (limits and stops may differ).
-        if len({(p.temperature, p.top_p) for p in params}) > 1:
-            raise ValueError("the sessions of one generate call must share temperature and top_p (limits and stops may differ)")
-        unknown = [i for i in sessions if i not in self._sessions]
-        if unknown:
-            raise KeyError(f"sessions {unknown} are not open")
-        states = [self._sessions[i] for i in sessions]
-        empty = [i for i, s, new in zip(sessions, states, new_tokens) if not s.tokens and not new]
-        if empty:
-            raise ValueError(f"sessions {empty} have no tokens to condition on: pass the prompt")
+        states = check_call(sessions, new_tokens, params, self._sessions)
         long = [i for i, s, new in zip(sessions, states, new_tokens) if len(s.tokens) + len(new) >= self.n_ctx_per_session]
         if long:
             raise ValueError(f"sessions {long} would exceed n_ctx_per_session={self.n_ctx_per_session}: "
