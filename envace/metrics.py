@@ -25,6 +25,32 @@ def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, f
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def bootstrap_mean_ci(values: list[float], resamples: int = 10_000, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of `values` (resampled with replacement, a
+    fixed seed so that a report is reproducible). [0, 0, 1] -> (0, 1): its exact bootstrap puts
+    26/27 of the mass on means <= 2/3, less than 0.975."""
+    import numpy as np
+
+    if not values:
+        return 0.0, 0.0
+    data = np.asarray(values, dtype=np.float64)
+    means = np.random.default_rng(seed).choice(data, size=(resamples, len(data)), replace=True).mean(axis=1)
+    tail = (1 - level) / 2 * 100
+    low, high = np.percentile(means, [tail, 100 - tail], method="inverted_cdf")
+    return float(low), float(high)
+
+
+def paired_comparison(before: dict[str, float], after: dict[str, float], **bootstrap: Any) -> dict[str, Any]:
+    """after - before on the tasks both scored (task id -> score): the mean per-task difference
+    with its bootstrap CI, and how many tasks got better, worse or stayed."""
+    common = sorted(set(before) & set(after))
+    if not common:
+        raise ValueError("paired comparison: the two runs share no task id; evaluate both on the same tasks")
+    diffs = [after[t] - before[t] for t in common]
+    return {"n": len(common), "mean_diff": sum(diffs) / len(diffs), "ci95": list(bootstrap_mean_ci(diffs, **bootstrap)),
+            "better": sum(d > 0 for d in diffs), "worse": sum(d < 0 for d in diffs), "same": sum(d == 0 for d in diffs)}
+
+
 def tool_call_prf(task: Task, traj: Trajectory) -> dict[str, float] | None:
     """Name-level precision/recall/F1 of the calls against the task's reference calls."""
     if not task.reference_calls:
@@ -58,7 +84,9 @@ def trajectory_record(task: Task, traj: Trajectory, success_threshold: float = 1
         "hidden_state": task.hidden_state,
         "difficulty": task.difficulty,
         "reward": traj.reward,
-        "success": float((traj.reward or 0.0) >= success_threshold),
+        # The verifier's verdict when the reward ran it; otherwise the reward reaching the threshold.
+        "success": float(traj.success if traj.success is not None else (traj.reward or 0.0) >= success_threshold),
+        "partial_credit": traj.partial_credit,
         "end_reason": traj.end_reason.value if traj.end_reason else None,
         "num_calls": len(traj.tool_calls),
         "real_env_calls": traj.real_env_calls,
@@ -78,6 +106,14 @@ def trajectory_record(task: Task, traj: Trajectory, success_threshold: float = 1
     return record
 
 
+def partial_credit_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean partial credit over the records the verifier scored, with a 95% bootstrap CI."""
+    credits = [r["partial_credit"] for r in records if r.get("partial_credit") is not None]
+    if not credits:
+        return {}
+    return {"partial_credit": sum(credits) / len(credits), "partial_credit_ci95": list(bootstrap_mean_ci(credits))}
+
+
 def summarize_records(records: list[dict[str, Any]], wall_seconds: float | None = None) -> dict[str, Any]:
     """Aggregate records. Rollouts run batched, so per-task cost is the batch's wall time / n
     when given (a trajectory's own `seconds` spans the whole batch it ran in)."""
@@ -91,6 +127,7 @@ def summarize_records(records: list[dict[str, Any]], wall_seconds: float | None 
         "success_rate": successes / n,
         "success_ci95": [low, high],
         "mean_reward": sum(r["reward"] or 0.0 for r in records) / n,
+        **partial_credit_summary(records),
         "tokens_per_task": sum(r["total_tokens"] for r in records) / n,
         "seconds_per_task": (wall_seconds if wall_seconds is not None else sum(r["seconds"] for r in records)) / n,
         "real_env_calls": sum(r["real_env_calls"] for r in records),

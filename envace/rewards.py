@@ -1,7 +1,9 @@
 """Rewards, pluggable by name. Each returns a `RewardResult`: a value in [0, 1] plus details.
 
   replay     run ACT's committed calls on a fresh executable world (verification only: the policy
-             never sees these observations) and apply the task's verifier
+             never sees these observations) and apply the task's verifier: 1 if every check passes
+  partial    the same replay, scored with partial credit: the weighted fraction of the verifier's
+             goal checks passed, 0 if a guard fails (a side effect the task did not ask for)
   reference  tool-call match against the task's reference calls (name and full-call F1)
   judge      a weighted checklist graded per user turn by an LLM judge through any Generator backend
 
@@ -25,7 +27,7 @@ from typing import Any, Callable, Iterator
 
 from envace.backends.base import Generator, SamplingParams
 from envace.config import ConfigError
-from envace.envs.base import ToolWorld
+from envace.envs.base import ToolWorld, Verdict
 from envace.registry import Registry
 from envace.types import Task, ToolCall, Trajectory
 
@@ -73,12 +75,15 @@ class Context:
 class RewardResult:
     """A reward's score. `real_observations`: the real world's responses to the trajectory's
     committed calls, when the reward replayed them (they become `Trajectory.real_observations`).
-    `components`: a weighted combination's value per named reward (`Trajectory.reward_components`)."""
+    `components`: a weighted combination's value per named reward (`Trajectory.reward_components`).
+    `verdict`: the executable verifier's result, when the reward ran it (it gives
+    `Trajectory.success` and `Trajectory.partial_credit`, whatever the reward's value is)."""
 
     value: float
     details: dict[str, Any] = field(default_factory=dict)  # for reading only
     real_observations: list[dict[str, Any]] | None = None
     components: dict[str, float] | None = None
+    verdict: Verdict | None = None
 
 
 RewardFn = Callable[[Task, Trajectory, Context], "RewardResult | tuple[float, dict[str, Any]]"]
@@ -90,14 +95,25 @@ def replay_calls(world: ToolWorld, calls: list[ToolCall]) -> list[dict[str, Any]
     return [world.execute(c) for c in calls]
 
 
-@REWARDS.register("replay")
-def replay_reward(task: Task, traj: Trajectory, ctx: Context) -> RewardResult:
-    # Only committed calls happened: a call the guard revised or the episode's end left
-    # unanswered must not change the world the verifier checks.
+def verified(task: Task, traj: Trajectory, ctx: Context) -> tuple[Verdict, list[dict[str, Any]]]:
+    """The verifier's verdict on the world that ACT's committed calls leave, and their real
+    observations. Only committed calls happened: a call the guard revised or the episode's end
+    left unanswered must not change the world the verifier checks."""
     world = ctx.make_world(task)
     observations = replay_calls(world, traj.committed_calls)
-    value, details = world.verify(task, traj.final_answer)
-    return RewardResult(value, details, observations)
+    return world.verify(task, traj.final_answer), observations
+
+
+@REWARDS.register("replay")
+def replay_reward(task: Task, traj: Trajectory, ctx: Context) -> RewardResult:
+    verdict, observations = verified(task, traj, ctx)
+    return RewardResult(float(verdict.success), verdict.details(), observations, verdict=verdict)
+
+
+@REWARDS.register("partial")
+def partial_reward(task: Task, traj: Trajectory, ctx: Context) -> RewardResult:
+    verdict, observations = verified(task, traj, ctx)
+    return RewardResult(verdict.partial, verdict.details(), observations, verdict=verdict)
 
 
 def prf(tp: int, n_pred: int, n_ref: int) -> tuple[float, float, float]:
@@ -376,6 +392,8 @@ def record_reward(task: Task, traj: Trajectory, result: RewardResult, ctx: Conte
     traj.reward, traj.reward_details = result.value, result.details
     traj.reward_components = dict(result.components or {})
     traj.real_observations = result.real_observations
+    if result.verdict is not None:
+        traj.success, traj.partial_credit = result.verdict.success, result.verdict.partial
     if traj.real_observations is None and traj.mode != "real":
         if task.world is None:  # world-free: nothing to replay on (its reference is the only truth)
             return
@@ -440,6 +458,15 @@ def reward_names(spec: str) -> list[str]:
         raise ConfigError(str(exc)) from None
 
 
+# The rewards that run the task's executable world (its verifier).
+WORLD_REWARDS = ("replay", "partial")
+
+
+def runs_world(spec: str) -> bool:
+    """Whether a `--reward` spec has a component that executes the task's world."""
+    return any(name in WORLD_REWARDS for name in reward_names(spec))
+
+
 def judge_missing(spec: str, judge: str | None) -> None:
     """A spec with a judge component needs a judge model."""
     if "judge" in reward_names(spec) and not judge:
@@ -473,4 +500,5 @@ class WeightedReward:
         total = sum(weight for _, weight, _ in self.parts)
         value = sum(weight * results[name].value for name, weight, _ in self.parts) / total
         replayed = next((r.real_observations for r in results.values() if r.real_observations is not None), None)
-        return RewardResult(value, {name: r.details for name, r in results.items()}, replayed, {name: r.value for name, r in results.items()})
+        verdict = next((r.verdict for r in results.values() if r.verdict is not None), None)
+        return RewardResult(value, {name: r.details for name, r in results.items()}, replayed, {name: r.value for name, r in results.items()}, verdict)

@@ -176,6 +176,10 @@ class Trajectory:
     end_error: dict[str, Any] | None = None  # the parse error of the output that ended it, if one did
     user_source: Literal["replayed", "simulator", "imagined"] = "replayed"  # who wrote the later user turns
     reward: float | None = None
+    # The executable verifier's verdict, when the reward ran it: every check passed (the headline
+    # metric), and the partial credit (weighted fraction of its goal checks; 0 on a side effect).
+    success: bool | None = None
+    partial_credit: float | None = None
     reward_details: dict[str, Any] = field(default_factory=dict)  # the reward's own report, for reading only
     reward_components: dict[str, float] = field(default_factory=dict)  # a weighted reward's value per named reward
     # The real world's responses to `committed_calls`, when a reward replayed them: the reference

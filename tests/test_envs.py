@@ -257,18 +257,18 @@ def test_reference_solutions_score_one_and_broken_ones_zero(name, generated):
         world, observations = replay(task, task.reference_calls)
         assert all("error" not in o for o in observations), (task.id, observations)
         assert keys_sorted(observations), task.id  # one textual form per response
-        assert world.verify(task, answer_for(task))[0] == 1.0, task.id
+        assert world.verify(task, answer_for(task)).success, task.id
         if "answer" in task.success:
-            assert world.verify(task, "I could not find it.")[0] == 0.0, task.id
-        if "state" in task.success:  # drop the last call that changed the state
-            states = [task.initial_state] + [None] * len(task.reference_calls)
-            probe = get_world(name)(task.initial_state)
-            for i, call in enumerate(task.reference_calls, 1):
-                probe.call(call["name"], call["arguments"])
-                states[i] = probe.snapshot()
-            last = max(i for i in range(1, len(states)) if states[i] != states[i - 1])
-            broken, _ = replay(task, task.reference_calls[: last - 1] + task.reference_calls[last:])
-            assert broken.verify(task, answer_for(task))[0] == 0.0, task.id
+            assert world.verify(task, "I could not find it.").success is False, task.id
+        states = [task.initial_state] + [None] * len(task.reference_calls)
+        probe = get_world(name)(task.initial_state)
+        for i, call in enumerate(task.reference_calls, 1):
+            probe.call(call["name"], call["arguments"])
+            states[i] = probe.snapshot()
+        changed = [i for i in range(1, len(states)) if states[i] != states[i - 1]]
+        if changed:  # drop the last call that changed the state
+            broken, _ = replay(task, task.reference_calls[: changed[-1] - 1] + task.reference_calls[changed[-1]:])
+            assert broken.verify(task, answer_for(task)).success is False, task.id
 
 
 @pytest.mark.parametrize("name, family, tool, key, wrong", [
@@ -284,7 +284,7 @@ def test_one_wrong_argument_scores_zero(name, family, tool, key, wrong):
         target = [c for c in calls if c["name"] == tool][-1]["arguments"]
         target[key] = wrong(target[key])
         world, _ = replay(task, calls)
-        assert world.verify(task, answer_for(task))[0] == 0.0, task.id
+        assert world.verify(task, answer_for(task)).success is False, task.id
 
 
 @pytest.mark.parametrize("name", ALL_WORLDS)
@@ -330,7 +330,7 @@ def test_custom_world_by_module_path():
     assert [t.world for t in tasks] == [spec] * 3
     for task in tasks:
         world, _ = replay(task, task.reference_calls)
-        assert world.verify(task, None)[0] == 1.0
+        assert world.verify(task, None).success
     with pytest.raises(RegistryError, match="not a ToolWorld"):
         get_world("tests.fixtures_worlds:TITLES")
     with pytest.raises(RegistryError, match="no attribute"):
@@ -504,3 +504,93 @@ def test_a_checkpoint_trained_on_exported_world_free_tasks_refuses_their_world_t
     renamed = [dataclasses.replace(t, id=f"renamed-{i}") for i, t in enumerate(train)]
     assert overlap(tmp_path, renamed) == [t.id for t in renamed]  # caught by scenario, not by id
     assert overlap(tmp_path, builtin_tasks("test", 3, worlds=["bank"], difficulty=1)) == []
+
+
+# ---- the verifier: partial credit, side-effect guards, the answer caps ------------------------
+
+from envace.envs.base import check_success  # noqa: E402
+
+START = {"accounts": {"A1": {"balance": 100}, "A2": {"balance": 40}, "E1": {"balance": 0}}, "transfers": {}}
+SPEC = {"state": [{"path": "accounts.A1.balance", "equals": 50, "weight": 2},  # goal: 100 -> 50
+                  {"path": "accounts.E1.balance", "equals": 50},              # goal: 0 -> 50
+                  {"path": "accounts.A2.balance", "equals": 40},              # guard: it already held 40
+                  {"path": "transfers", "unchanged": True}],                  # guard
+        "answer": {"number": 50, "tol": 0.01}}                                # goal, weight 1
+
+
+def with_balances(a1, e1, a2=40, transfers=None):
+    return {"accounts": {"A1": {"balance": a1}, "A2": {"balance": a2}, "E1": {"balance": e1}}, "transfers": transfers or {}}
+
+
+@pytest.mark.parametrize("state, answer, success, partial", [
+    (with_balances(50, 50), "50", True, 1.0),
+    (with_balances(50, 50), "I do not know", False, 3 / 4),      # goals A1 (2) + E1 (1) of 4
+    (with_balances(50, 0), "50", False, 3 / 4),                  # A1 (2) + answer (1)
+    (with_balances(100, 50), "nothing", False, 1 / 4),           # E1 only
+    (START, "nothing", False, 0.0),                              # doing nothing earns nothing: guards give no credit
+    (with_balances(50, 50, a2=30), "50", False, 0.0),            # a side effect: A2 touched
+    (with_balances(50, 50, transfers={"T1": {}}), "50", False, 0.0),
+])
+def test_partial_credit_hand_computed(state, answer, success, partial):
+    verdict = check_success(SPEC, state, answer, START)
+    assert verdict.success is success
+    assert verdict.partial == pytest.approx(partial)
+    assert [c.guard for c in verdict.checks] == [False, False, True, True, False]
+
+
+def test_a_spec_of_guards_only_scores_one_when_they_hold():
+    spec = {"state": [{"path": "transfers", "unchanged": True}, {"path": "files./tmp/x", "absent": True}]}
+    assert check_success(spec, START, None, START).partial == 1.0
+    assert check_success(spec, {**START, "transfers": {"T1": {}}}, None, START).partial == 0.0
+
+
+def test_unchanged_needs_the_initial_state():
+    with pytest.raises(ValueError, match="initial state"):
+        check_success({"state": [{"path": "transfers", "unchanged": True}]}, START, None)
+
+
+def answer_only_task(name, family, difficulty=1):
+    return next(t for t in get_world(name).generate_tasks(40, "train", seed=2, difficulty=difficulty) if t.metadata["family"] == family)
+
+
+@pytest.mark.parametrize("name, family", [("bank", "total"), ("travel", "seats_left"), ("files", "lookup_setting"), ("calendar", "hours")])
+def test_answer_only_tasks_fail_on_a_side_effect(name, family):
+    """Tasks graded on the answer also assert that the world is as the task found it."""
+    task = answer_only_task(name, family)
+    effects = {"bank": lambda w: w.call("transfer", {"from_account": next(i for i, a in w.state["accounts"].items() if a["owner"] == "me"),
+                                                   "to_account": "E1", "amount": 1}),
+               "travel": lambda w: w.call("book_flight", {"flight_id": sorted(w.state["flights"])[0], "passenger": "Zed"}),
+               "files": lambda w: w.call("write_file", {"path": "/notes/x", "content": "y"}),
+               "calendar": lambda w: w.call("cancel_event", {"event_id": sorted(w.state["events"])[0]})}
+    world, _ = replay(task, task.reference_calls)
+    clean = world.verify(task, answer_for(task))
+    assert clean.success and clean.partial == 1.0
+    assert "error" not in effects[name](world)
+    dirty = world.verify(task, answer_for(task))
+    assert not dirty.success and dirty.partial == 0.0, task.id
+
+
+def test_contains_answer_cannot_name_every_candidate():
+    task = answer_only_task("travel", "cheapest")
+    world, _ = replay(task, task.reference_calls)
+    right = task.success["answer"]["contains"][0]
+    others = [f for f in sorted(world.state["flights"]) if f != right]
+    assert world.verify(task, f"Booked flight {right}.").success
+    assert not world.verify(task, f"Booked flight {right}; {others[0]} was dearer.").success  # one id more than asked
+    assert not world.verify(task, "It is one of " + ", ".join([right, *others]) + ".").success
+    setting = answer_only_task("files", "lookup_setting")
+    value = setting.success["answer"]["contains"][0]
+    assert value in setting.success["answer"]["candidates"]
+    world, _ = replay(setting, setting.reference_calls)
+    assert world.verify(setting, f"It is {value}.").success
+    assert not world.verify(setting, "It is " + " or ".join(setting.success["answer"]["candidates"]) + ".").success
+
+
+def test_contains_cap_hand_computed():
+    spec = {"answer": {"contains": ["F12", "F40"]}}
+    assert check_success(spec, {}, "F12 out, F40 back").success
+    assert not check_success(spec, {}, "F12 out, F40 back (F7 was full)").success  # 3 F-ids for 2 needles
+    assert check_success(spec, {}, "F12 out, F40 back, booking B3").success      # other id shapes are not candidates
+    words = {"answer": {"contains": ["dark"], "candidates": ["dark", "light"]}}
+    assert check_success(words, {}, "The theme is dark.").success
+    assert not check_success(words, {}, "dark or light").success

@@ -1,6 +1,6 @@
 import pytest
 
-from envace.metrics import summarize_records, trajectory_record, wilson_interval
+from envace.metrics import bootstrap_mean_ci, paired_comparison, summarize_records, trajectory_record, wilson_interval
 from envace.types import CallStatus, EndReason, Role, Task, ToolCall, Trajectory, Turn
 
 EXECUTED, REHEARSED, REVISED = CallStatus.EXECUTED, CallStatus.REHEARSED, CallStatus.REVISED
@@ -68,3 +68,37 @@ def test_tool_exceptions_hand_computed():
     records = [trajectory_record(TASK, real), trajectory_record(TASK, rehearsed)]
     assert [r["tool_exceptions"] for r in records] == [2, 1]
     assert summarize_records(records)["tool_exceptions"] == 3
+
+
+def test_success_is_the_verifiers_verdict_when_there_is_one():
+    # A partial-credit reward of 0.75 is not a success; a judge's 1.0 with no verdict is.
+    verified = scored_traj(0.75, [])
+    verified.success, verified.partial_credit = False, 0.75
+    judged = scored_traj(1.0, [])
+    records = [trajectory_record(TASK, verified), trajectory_record(TASK, judged)]
+    assert [r["success"] for r in records] == [0.0, 1.0]
+    s = summarize_records(records)
+    assert s["success_rate"] == 0.5 and s["partial_credit"] == 0.75  # the mean over the verified record only
+
+
+def test_bootstrap_ci_hand_computed():
+    # Resamples of [0, 0, 1] have k ones with P(k) = 8/27, 12/27, 6/27, 1/27 (means 0, 1/3, 2/3, 1):
+    # the 2.5th percentile is 0 and the 97.5th is 1 (the mass up to 2/3 is 26/27 = 0.963 < 0.975).
+    assert bootstrap_mean_ci([0, 0, 1]) == (0.0, 1.0)
+    # [0, 1] x 20: the mean's sd is 0.5 / sqrt(40) = 0.079, so the 95% interval is 0.5 -/+ ~0.155.
+    low, high = bootstrap_mean_ci([0, 1] * 20)
+    assert low == pytest.approx(0.5 - 1.96 * 0.5 / 40 ** 0.5, abs=0.03) and high == pytest.approx(0.5 + 1.96 * 0.5 / 40 ** 0.5, abs=0.03)
+    assert bootstrap_mean_ci([0.25] * 5) == (0.25, 0.25)
+
+
+def test_paired_comparison_hand_made():
+    before = {"a": 0.0, "b": 1.0, "c": 0.0, "d": 0.5, "only-before": 1.0}
+    after = {"a": 1.0, "b": 1.0, "c": 0.0, "d": 0.0, "only-after": 0.0}
+    out = paired_comparison(before, after)
+    # differences on a, b, c, d: +1, 0, 0, -0.5 -> mean 0.125
+    assert (out["n"], out["mean_diff"], out["better"], out["worse"], out["same"]) == (4, 0.125, 1, 1, 2)
+    assert out["ci95"][0] < 0 < out["ci95"][1]
+    always = paired_comparison({t: 0.0 for t in "abcdef"}, {t: 1.0 for t in "abcdef"})
+    assert always["ci95"] == [1.0, 1.0]
+    with pytest.raises(ValueError, match="share no task"):
+        paired_comparison({"a": 1.0}, {"b": 1.0})

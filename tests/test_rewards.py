@@ -124,6 +124,28 @@ def test_compute_rewards_fills_every_trajectory():
     assert groups[0][0].reward_details["checks"][0]["ok"]  # the verifier's report, for reading
 
 
+def test_partial_reward_pays_the_goal_checks_passed_and_success_stays_binary():
+    # Counter task: goals value == 5 (the counter starts at 0) and the answer 5, weight 1 each.
+    right_value, wrong_answer = traj([("add", {"n": 2}), ("add", {"n": 3})], "It is 6."), traj([("add", {"n": 5})], "5")
+    nothing = traj([], "0")
+    groups = [[right_value, wrong_answer, nothing]]
+    compute_rewards("partial", groups, [task()], Context(env=WorldEnvironment()))
+    assert [t.reward for t in groups[0]] == [0.5, 1.0, 0.0]
+    assert [t.success for t in groups[0]] == [False, True, False]
+    assert [t.partial_credit for t in groups[0]] == [0.5, 1.0, 0.0]
+    binary = [[traj([("add", {"n": 2}), ("add", {"n": 3})], "It is 6.")]]
+    compute_rewards("replay", binary, [task()], Context(env=WorldEnvironment()))
+    assert (binary[0][0].reward, binary[0][0].success, binary[0][0].partial_credit) == (0.0, False, 0.5)
+
+
+def test_a_weighted_reward_keeps_the_verifier_verdict():
+    groups = [[traj([("add", {"n": 2}), ("add", {"n": 3})], "It is 6.")]]
+    compute_rewards("partial:0.5,reference:0.5", groups, [task()], Context(env=WorldEnvironment()))
+    # reference: calls add(2), add(3) vs add(2), add(3), get() -> P=1, R=2/3, F1=0.8; (0.5 + 0.8) / 2
+    assert groups[0][0].reward == pytest.approx(0.65)
+    assert (groups[0][0].success, groups[0][0].partial_credit) == (False, 0.5)
+
+
 def pair_reward(task, trajectory, context):
     """A user's reward in the older shape: a (value, details) pair, no replay."""
     return 0.25, {"note": "mine"}

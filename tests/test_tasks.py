@@ -95,8 +95,8 @@ def test_docs_example_line_loads_and_solves(tmp_path):
     task = load_line(tmp_path, doc_lines()[0])
     world = get_world(task.world)(task.initial_state)
     assert all("error" not in world.call(c["name"], c["arguments"]) for c in task.reference_calls)
-    assert world.verify(task, task.metadata["reference_answer"])[0] == 1.0
-    assert get_world(task.world)(task.initial_state).verify(task, task.metadata["reference_answer"])[0] == 0.0
+    assert world.verify(task, task.metadata["reference_answer"]).success
+    assert get_world(task.world)(task.initial_state).verify(task, task.metadata["reference_answer"]).success is False
 
 
 def test_defaults_and_blank_lines(tmp_path):
@@ -118,6 +118,10 @@ def test_defaults_and_blank_lines(tmp_path):
     (json.dumps({**GOOD, "success": {}}), ["'success'", "no checks"]),
     (json.dumps({**GOOD, "success": {"state": [{"path": "a", "equal": 1}]}}), ["'success.state[0]'", '"equals"']),
     (json.dumps({**GOOD, "success": {"answer": {"number": "5"}}}), ["'success.answer'", "contains"]),
+    (json.dumps({**GOOD, "success": {"state": [{"path": "a", "unchanged": False}]}}), ["'success.state[0]'", '"unchanged": true']),
+    (json.dumps({**GOOD, "success": {"state": [{"path": "a", "equals": 1, "weight": 0}]}}), ["'success.state[0].weight'", "number > 0"]),
+    (json.dumps({**GOOD, "success": {"answer": {"number": 5, "weight": "2"}}}), ["'success.answer.weight'", "number > 0"]),
+    (json.dumps({**GOOD, "success": {"answer": {"contains": ["x"], "candidates": "x"}}}), ["'success.answer'", "candidates"]),
     (json.dumps({**GOOD, "reference_calls": [{"arguments": {}}]}), ["'reference_calls[0].name'", "missing"]),
     (json.dumps({**GOOD, "reference_calls": [{"name": "steal", "arguments": {}}]}), ["unknown tool 'steal'", "transfer"]),
     (json.dumps({**GOOD, "checklist": [{"item": "x", "weight": 0}]}), ["'checklist[0]'", "weight > 0"]),

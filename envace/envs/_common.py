@@ -105,16 +105,22 @@ class Script:
         self.calls.append({"name": name, "arguments": arguments})
         return canonical(json.loads(json.dumps(result)))
 
-    def task(self, request: str, *, check: tuple[str, ...] = (), answer: Any = None,
+    def task(self, request: str, *, check: tuple[str, ...] = (), answer: Any = None, candidates: tuple[str, ...] = (),
              checklist: tuple[tuple[str, float], ...] = ()) -> Task:
-        """`check` names top-level tables whose every record must end as the reference left it."""
+        """`check` names top-level tables whose every record must end as the reference left it;
+        every other table the reference left alone must stay `unchanged` (a transfer, a booking
+        or an edit the task did not ask for fails it). `candidates`: the values a `contains`
+        answer could name (it may name only the right ones)."""
         states = [c for table in check for c in _state_checks(self.initial, self.world.state, table)]
+        states += [{"path": table, "unchanged": True} for table in sorted(self.initial)
+                   if table not in check and self.world.state.get(table) == self.initial[table]]
         success: dict[str, Any] = {"state": states} if states else {}
         metadata: dict[str, Any] = {}
         items = list(checklist)
         if answer is not None:  # a number, a string, or a list of strings that must all appear
             words = answer if isinstance(answer, list) else [answer]
-            success["answer"] = {"number": answer, "tol": 0.01} if isinstance(answer, (int, float)) else {"contains": words}
+            success["answer"] = ({"number": answer, "tol": 0.01} if isinstance(answer, (int, float))
+                                 else {"contains": words, **({"candidates": list(candidates)} if candidates else {})})
             metadata["reference_answer"] = " and ".join(map(str, words))
             items.append((f"The final answer states {metadata['reference_answer']}", 1.0))
         return Task(

@@ -9,10 +9,12 @@ that raises something other than `ToolError` (a bug) answers `TOOL_EXCEPTION` an
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import random
 import re
+from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
 import jsonschema
@@ -179,9 +181,11 @@ class ToolWorld:
         raise NotImplementedError(f"{cls.__name__} does not generate tasks")
 
     # ---- verification ------------------------------------------------------------------
-    def verify(self, task: Task, final_answer: str | None) -> tuple[float, dict[str, Any]]:
-        """Check the task's success spec against this world's current state and the answer."""
-        return check_success(task.success, self.state, final_answer)
+    def verify(self, task: Task, final_answer: str | None) -> Verdict:
+        """Check the task's success spec against this world's current state and the answer; the
+        state the task started from tells which checks guard against side effects."""
+        initial = copy.deepcopy(task.initial_state) if task.initial_state else self.default_state()
+        return check_success(task.success, self.state, final_answer, initial)
 
 
 def get_path(state: Any, path: str) -> Any:
@@ -200,6 +204,49 @@ def get_path(state: Any, path: str) -> Any:
 MAX_ANSWER_NUMBERS = 4
 
 
+@dataclass
+class Check:
+    """One check of a success spec. A guard asserts what the task's initial state already held
+    (a record the task must not touch, a table left `unchanged`): doing nothing passes it, so it
+    earns no partial credit, and failing it is a side effect the task did not ask for."""
+
+    name: str
+    ok: bool
+    got: Any
+    weight: float = 1.0
+    guard: bool = False
+
+
+@dataclass
+class Verdict:
+    """The verifier's result. `success` (every check passes) is the headline metric;
+    `partial` is the partial-credit reward: the weighted fraction of the goal checks passed, 0
+    when any guard fails (a side effect must not be paid for by the checks it did not break),
+    1 for a spec whose checks are all guards and pass."""
+
+    checks: list[Check]
+
+    @property
+    def success(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    @property
+    def partial(self) -> float:
+        if not all(c.ok for c in self.checks if c.guard):
+            return 0.0
+        goals = [c for c in self.checks if not c.guard]
+        total = sum(c.weight for c in goals)
+        return sum(c.weight for c in goals if c.ok) / total if goals else 1.0
+
+    def details(self) -> dict[str, Any]:
+        """For reading (`Trajectory.reward_details`)."""
+        return {"checks": [dataclasses.asdict(c) for c in self.checks], "passed": sum(c.ok for c in self.checks),
+                "total": len(self.checks), "partial": self.partial}
+
+
+_ID = re.compile(r"([A-Za-z]+)\d+")
+
+
 def _answer_numbers(text: str) -> list[float]:
     return [float(m.replace(",", "").rstrip(".")) for m in re.findall(r"-?\d[\d,]*\.?\d*", text)]
 
@@ -209,42 +256,69 @@ def _contains_word(text: str, needle: str) -> bool:
     return re.search(rf"(?<![\w.]){re.escape(needle.lower())}(?![\w]|\.\d)", text.lower()) is not None
 
 
-def check_success(spec: dict[str, Any], state: dict[str, Any], final_answer: str | None) -> tuple[float, dict[str, Any]]:
+def _named_candidates(text: str, needles: list[str], candidates: list[str]) -> set[str]:
+    """The distinct candidates the answer names: the spec's own `candidates`, and every id of the
+    shape of an id-like needle (`F123` -> every `F<digits>` in the answer)."""
+    named = {c.lower() for c in candidates if _contains_word(text, c)}
+    for prefix in {m[1] for n in needles if (m := _ID.fullmatch(n))}:
+        named |= {w.lower() for w in re.findall(rf"(?<![\w.]){re.escape(prefix)}\d+(?!\w)", text, flags=re.IGNORECASE)}
+    return named
+
+
+def _answer_ok(spec: dict[str, Any], text: str) -> bool:
+    if "contains" in spec:
+        needles = [str(s) for s in spec["contains"]]
+        # Naming every candidate must not pass (reward hacking): the answer may name no more
+        # candidates (ids of a needle's shape, or the spec's `candidates`) than it must.
+        named = _named_candidates(text, needles, [str(c) for c in spec.get("candidates", [])])
+        return all(_contains_word(text, n) for n in needles) and len(named) <= len({n.lower() for n in needles})
+    if "number" in spec:
+        tol = spec.get("tol", 1e-6)
+        numbers = _answer_numbers(text)
+        # An answer that lists many numbers must not pass by enumeration (reward hacking).
+        return len(set(numbers)) <= MAX_ANSWER_NUMBERS and any(abs(x - spec["number"]) <= tol for x in numbers)
+    raise ValueError(f"answer spec needs 'contains' or 'number', got {spec}")
+
+
+def _read(state: Any, path: str) -> tuple[bool, Any]:
+    try:
+        return True, get_path(state, path)
+    except (KeyError, IndexError, ValueError):
+        return False, None
+
+
+def _state_check(cond: dict[str, Any], state: dict[str, Any], initial: dict[str, Any] | None) -> Check:
+    path = cond["path"]
+    present, value = _read(state, path)
+    was_present, was = _read(initial, path) if initial is not None else (None, None)
+    if cond.get("unchanged"):
+        if initial is None:
+            raise ValueError(f"state check {path}: 'unchanged' needs the task's initial state")
+        ok, guard = (present, value) == (was_present, was), True
+    elif cond.get("absent"):
+        ok, guard = not present, was_present is False
+    else:
+        ok, guard = present and value == cond.get("equals"), bool(was_present) and was == cond.get("equals")
+    return Check(f"state {path}", ok, value, float(cond.get("weight", 1.0)), guard)
+
+
+def check_success(spec: dict[str, Any], state: dict[str, Any], final_answer: str | None,
+                  initial: dict[str, Any] | None = None) -> Verdict:
     """Deterministic verifier over a success spec (documented in docs/tasks.md).
 
-    spec = {"state": [{"path": "...", "equals": v} | {"path": "...", "absent": true}],
-            "answer": {"contains": [str, ...]} | {"number": x, "tol": t}}
-    `contains` matches whole words/numbers case-insensitively; `number` passes when a number in
-    the answer is within `tol` and the answer holds at most MAX_ANSWER_NUMBERS distinct numbers.
-    Score is 1.0 only when every check passes; details list each check.
+    spec = {"state": [{"path": "...", "equals": v} | {"path": "...", "absent": true} | {"path": "...", "unchanged": true}],
+            "answer": {"contains": [str, ...], "candidates"?: [str, ...]} | {"number": x, "tol": t}}
+    Each check may carry a "weight" (default 1) for partial credit. `contains` matches whole
+    words/numbers case-insensitively and fails when the answer names more candidates than it
+    must; `number` passes when a number in the answer is within `tol` and the answer holds at
+    most MAX_ANSWER_NUMBERS distinct numbers. With `initial` (the state the task started from),
+    checks that assert what it already held are guards (`Check.guard`).
     """
-    checks: list[dict[str, Any]] = []
-    for cond in spec.get("state", []):
-        path = cond["path"]
-        try:
-            value = get_path(state, path)
-            present = True
-        except (KeyError, IndexError, ValueError):
-            value, present = None, False
-        if cond.get("absent"):
-            ok = not present
-        else:
-            ok = present and value == cond.get("equals")
-        checks.append({"check": f"state {path}", "ok": ok, "got": value})
+    checks = [_state_check(cond, state, initial) for cond in spec.get("state", [])]
     answer_spec = spec.get("answer")
     if answer_spec:
         text = final_answer or ""
-        if "contains" in answer_spec:
-            ok = all(_contains_word(text, str(s)) for s in answer_spec["contains"])
-        elif "number" in answer_spec:
-            tol = answer_spec.get("tol", 1e-6)
-            numbers = _answer_numbers(text)
-            # An answer that lists many numbers must not pass by enumeration (reward hacking).
-            ok = len(set(numbers)) <= MAX_ANSWER_NUMBERS and any(abs(x - answer_spec["number"]) <= tol for x in numbers)
-        else:
-            raise ValueError(f"answer spec needs 'contains' or 'number', got {answer_spec}")
-        checks.append({"check": "answer", "ok": ok, "got": text[:200]})
+        checks.append(Check("answer", _answer_ok(answer_spec, text), text[:200], float(answer_spec.get("weight", 1.0))))
     if not checks:
         raise ValueError("success spec has no checks: give 'state' assertions and/or an 'answer'")
-    passed = all(c["ok"] for c in checks)
-    return (1.0 if passed else 0.0), {"checks": checks, "passed": sum(c["ok"] for c in checks), "total": len(checks)}
+    return Verdict(checks)

@@ -115,7 +115,7 @@ def lookup_setting(rng: random.Random, difficulty: int) -> Task:
     if difficulty == 3:
         request += f" Also save just the value to /notes/{key}."
         s("write_file", path=f"/notes/{key}", content=value)
-    return s.task(request, check=("files",) if difficulty == 3 else (), answer=value,
+    return s.task(request, check=("files",) if difficulty == 3 else (), answer=value, candidates=SETTINGS[key],
                   checklist=(("Reads the file that sets the key instead of guessing", 2.0),))
 
 

@@ -274,14 +274,19 @@ def _check_success(where: str, spec: dict[str, Any]) -> None:
     if not isinstance(state, list):
         _fail(where, "success.state", "not a list", 'write [{"path": "a.b", "equals": value}, ...]')
     for i, cond in enumerate(state):
-        ok = isinstance(cond, dict) and isinstance(cond.get("path"), str) and set(cond) in ({"path", "equals"}, {"path", "absent"})
-        if not ok or cond.get("absent", True) is not True:
+        kinds = set(cond) - {"weight"} if isinstance(cond, dict) else set()
+        ok = isinstance(cond.get("path") if isinstance(cond, dict) else None, str) and kinds in ({"path", "equals"}, {"path", "absent"}, {"path", "unchanged"})
+        if not ok or cond.get("absent", True) is not True or cond.get("unchanged", True) is not True:
             _fail(where, f"success.state[{i}]", f"bad check {_show(cond)}",
-                  'write {"path": "accounts.A1.balance", "equals": 90} or {"path": "files./tmp/x", "absent": true}')
+                  'write {"path": "accounts.A1.balance", "equals": 90}, {"path": "files./tmp/x", "absent": true} '
+                  'or {"path": "transfers", "unchanged": true}, each with an optional "weight"')
+        _check_weight(where, f"success.state[{i}].weight", cond)
     answer = spec.get("answer")
     if answer is not None and not _valid_answer(answer):
         _fail(where, "success.answer", f"bad answer check {_show(answer)}",
-              'write {"contains": ["text", ...]} or {"number": 42, "tol": 0.01}')
+              'write {"contains": ["text", ...], "candidates": ["text", ...]} or {"number": 42, "tol": 0.01}, each with an optional "weight"')
+    if answer is not None:
+        _check_weight(where, "success.answer.weight", answer)
     if not state and not answer:
         _fail(where, "success", "has no checks", "add 'state' assertions and/or an 'answer' check, or drop 'success' to grade with the judge only")
 
@@ -290,13 +295,22 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def _check_weight(where: str, field: str, check: dict[str, Any]) -> None:
+    weight = check.get("weight", 1.0)
+    if not _is_number(weight) or not weight > 0:
+        _fail(where, field, f"{_show(weight)} is not a number > 0", 'write e.g. "weight": 2 (partial credit weighs each check by it; default 1)')
+
+
+def _is_strings(words: Any) -> bool:
+    return isinstance(words, list) and bool(words) and all(isinstance(w, str) for w in words)
+
+
 def _valid_answer(answer: Any) -> bool:
-    if not isinstance(answer, dict) or set(answer) - {"contains", "number", "tol"}:
+    if not isinstance(answer, dict):
         return False
     if "contains" in answer:
-        words = answer["contains"]
-        return isinstance(words, list) and bool(words) and all(isinstance(w, str) for w in words)
-    return _is_number(answer.get("number")) and _is_number(answer.get("tol", 0))
+        return not set(answer) - {"contains", "candidates", "weight"} and _is_strings(answer["contains"]) and _is_strings(answer.get("candidates", [""]))
+    return not set(answer) - {"number", "tol", "weight"} and _is_number(answer.get("number")) and _is_number(answer.get("tol", 0))
 
 
 def _check_calls(where: str, calls: list[Any], tool_names: list[str]) -> None:

@@ -14,6 +14,7 @@ COLUMNS = [
     ("n", "tasks", "{:d}"),
     ("success_rate", "success", "{:.3f}"),
     ("success_ci95", "95% CI", None),
+    ("partial_credit", "partial credit", "{:.3f}"),
     ("tool_f1", "tool F1", "{:.3f}"),
     ("fidelity/exact", "fid. exact", "{:.3f}"),
     ("fidelity/field_f1", "fid. field F1", "{:.3f}"),

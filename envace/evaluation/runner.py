@@ -20,7 +20,7 @@ from envace.benchmarks import BENCHMARKS, Benchmark, BenchmarkDependencyError
 from envace.config import ConfigError, field
 from envace.evaluation.report import print_summary, write_summary
 from envace.metrics import summarize_by, summarize_records, trajectory_record
-from envace.rewards import Context, compute_rewards, judge_missing, reward_names
+from envace.rewards import Context, compute_rewards, judge_missing, reward_names, runs_world
 from envace.rollout import RolloutConfig, RolloutEngine
 from envace.types import Task, Trajectory
 
@@ -61,7 +61,7 @@ class EvalConfig:
     memory_tokens: int = field(128, help="bound on the rehearsal memory")
     guard: str | None = field(None, help="pre-commit rehearsal guard rule for irreversible calls: goal | no_error | module:function")
     guard_horizon: int = field(2, help="agent turns the guard rehearses after the call")
-    reward: str | None = field(None, help="reward: replay | reference | judge | benchmark | module:function (default: benchmark with --benchmark, else replay)")
+    reward: str | None = field(None, help="reward: replay | partial | reference | judge | benchmark | module:function (default: benchmark with --benchmark, else replay)")
     judge: str | None = field(None, help="judge model (local spec or URL): for the 'judge' reward, and for the rubric score of benchmarks judged by an LLM (VitaBench)")
     k: int = field(1, help="samples per task")
     seed: int = field(0, help="random seed (task generation and sampling)")
@@ -143,7 +143,7 @@ def world_needs(cfg: EvalConfig) -> dict[str, str]:
     needs = {}
     if cfg.rollout.mode == "real":
         needs["--mode real (the default)"] = "use --mode rehearse"
-    if "replay" in reward_names(cfg.reward_name):
+    if runs_world(cfg.reward_name):
         default = " (the default)" if cfg.reward is None else ""
         needs[f"--reward {cfg.reward_name}{default}"] = "use --reward judge --judge MODEL, --reward reference, or module:function"
     if cfg.rehearsal != "none":

@@ -33,7 +33,7 @@ from envace.accounting import WorldExecutions, task_data_executions
 from envace.manifest import build_manifest, inherited_executions, with_executions, write_manifest
 from envace.metrics import summarize_records, trajectory_record
 from envace.backends.open import check_models, open_generator
-from envace.rewards import Context, compute_rewards, judge_missing, reward_names
+from envace.rewards import Context, compute_rewards, judge_missing, reward_names, runs_world
 from envace.rollout import RolloutConfig, RolloutEngine
 from envace.training.variants import VARIANTS, variants_help
 from envace.training.setup import (TrainingOptions, backward_micro_batches, check_resume, load_trainable, make_accelerator, make_optimizer,
@@ -62,7 +62,7 @@ class TrainConfig(TrainingOptions):
     real_fraction: float = field(0.0, help="share of tasks rolled out against the real world in rehearse variants")
     rollout: RolloutConfig = field(default_factory=train_rollout, help="how the step's trajectories roll out",
                                    hidden={"mode": "the variant decides who answers tool calls (--variant)"})
-    reward: str = field("replay", help="reward: replay | reference | judge | module:function, or a weighted sum of them: judge:0.7,reference:0.3")
+    reward: str = field("replay", help="reward: replay (verifier, 0/1) | partial (verifier, partial credit) | reference | judge | module:function, or a weighted sum of them: judge:0.7,reference:0.3")
     judge: str | None = field(None, help="judge model for a reward with a judge component: a local model spec or an http(s):// OpenAI-compatible URL")
     advantage: str = field("role_grpo", help="advantage estimator: role_grpo | grpo | module:function")
     normalize_std: bool = field(False, help="divide advantages by the group std")
@@ -172,7 +172,7 @@ def world_needs(cfg: TrainConfig) -> dict[str, str]:
     needs = {}
     if VARIANTS.get(cfg.variant).rollout_mode == "real":
         needs[f"--variant {cfg.variant}"] = "use a rehearse variant such as --variant envace"
-    if "replay" in reward_names(cfg.reward):
+    if runs_world(cfg.reward):
         default = " (the default)" if cfg.reward == "replay" else ""
         needs[f"--reward {cfg.reward}{default}"] = "pass --reward judge, reference or module:function"
     if cfg.real_fraction > 0:
@@ -427,7 +427,7 @@ class Trainer:
         local = WorldExecutions.of(tr for g in groups for tr in g).as_dict()
         step_calls = WorldExecutions.from_dict({k: global_sum(self.accelerator, v) for k, v in local.items()})
         self.world_calls += step_calls
-        keys = ("success_rate", "mean_reward", "tokens_per_task", "malformed", "tool_exceptions", "fidelity/exact", "fidelity/field_f1", "fidelity/calls")
+        keys = ("success_rate", "partial_credit", "mean_reward", "tokens_per_task", "malformed", "tool_exceptions", "fidelity/exact", "fidelity/field_f1", "fidelity/calls")
         out = {k if k != "mean_reward" else "reward/mean": summary[k] for k in keys if k in summary} | reward_component_means(groups)
         # Step and run totals per purpose (env/<purpose>_step, env/<purpose>_total); global already.
         return out | {f"env/{k}_{span}": v for span, calls in (("step", step_calls), ("total", self.world_calls)) for k, v in calls.as_dict().items()}
