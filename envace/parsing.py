@@ -58,16 +58,31 @@ def _call_from_json(raw: str, index: int) -> ToolCall:
     return ToolCall(name=obj["name"], arguments=args, id=f"call_{index}")
 
 
+def _is_bare_call(text: str) -> bool:
+    """The whole message is one JSON object with a string "name": a call written without tags."""
+    body = text.strip()
+    if not (body.startswith("{") and body.endswith("}")):
+        return False
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(obj, dict) and isinstance(obj.get("name"), str)
+
+
 def parse_act(text: str, accept_fenced_json: bool = False) -> ActOutput:
     """Parse an assistant message. `<tool_call>{json}</tool_call>` blocks are calls; an opening
     tag without a parsable block is malformed. `accept_fenced_json` also reads ```json {"name":..}```
-    blocks (Qwen2.5-Coder writes those) — off by default."""
+    blocks, and a message that is nothing but one bare `{"name": ..}` object (Qwen2.5-Coder
+    writes both) — off by default."""
     blocks = _TOOL_CALL.findall(text)
     if not blocks and "<tool_call>" in text:
         raise ParseError("MALFORMED_TOOL_CALL", "found <tool_call> without a closing </tool_call>")
     if not blocks and accept_fenced_json:
         blocks = [b for b in _FENCED.findall(text) if '"name"' in b]
         remainder = _FENCED.sub("", text) if blocks else text
+        if not blocks and _is_bare_call(text):
+            blocks, remainder = [text], ""
     else:
         remainder = _TOOL_CALL.sub("", text)
     calls = [_call_from_json(b.strip(), i) for i, b in enumerate(blocks)]

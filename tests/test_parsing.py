@@ -43,6 +43,19 @@ def test_fenced_json_only_when_lenient():
     assert parse_act(text, accept_fenced_json=True).calls[0].name == "get"
 
 
+def test_a_bare_json_call_only_when_lenient():
+    # What Qwen2.5-Coder-0.5B writes on the built-in worlds: the call object, no tags, no fence.
+    text = ' {"name": "checkout", "arguments": {"order_total": 25.5}}\n'
+    assert parse_act(text).text == text.strip()  # strict: an answer
+    (call,) = parse_act(text, accept_fenced_json=True).calls
+    assert (call.name, call.arguments) == ("checkout", {"order_total": 25.5})
+    assert parse_act(text, accept_fenced_json=True).text == ""
+    # Prose around an object, an object without a name, or invalid JSON stay answers.
+    for answer in ('The order is {"name": "x"}', '{"total": 5}', '{"name": "x", }'):
+        out = parse_act(answer, accept_fenced_json=True)
+        assert out.is_answer and out.text == answer
+
+
 def test_rehearsal_json_object():
     assert parse_rehearsal(' {"value": 5} ') == {"value": 5}
     assert parse_rehearsal('<execution_result>{"ok": true}</execution_result>') == {"ok": True}

