@@ -1,10 +1,13 @@
 """`envace demo`: the whole method on a CPU, top to bottom, with an honest before/after.
 
-  1. evaluate the bundled base model on held-out tasks (real world, and the held-out world);
-  2. warm-start it with SFT on trajectories executed in the real world;
-  3. train with world rehearsal (role-level GRPO, rehearse mode, no real environment calls);
-  4. evaluate again on the same held-out tasks, and in rehearse mode for fidelity;
-  5. write a Markdown + HTML report with the table and the training plots.
+  1. evaluate the bundled base model on test tasks of every world (the training worlds, and the
+     held-out world);
+  2. warm-start it with SFT on trajectories executed in the real world, and evaluate that;
+  3. train with world rehearsal (role-level GRPO, rehearse mode, no real environment calls) on
+     the verifier's partial credit;
+  4. evaluate again on the same tasks, and compare SFT with SFT + GRPO task by task (a paired
+     bootstrap on success and on partial credit), so that GRPO's own contribution is visible;
+  5. write a Markdown + HTML report with the table, the comparison and the training story plot.
 """
 
 from __future__ import annotations
@@ -19,24 +22,27 @@ from typing import Any
 from envace.config import ConfigError, build, field
 from envace.evaluation.report import markdown_table, pooled_success
 
+BASE, SFT, TRAINED = "base", "SFT", "SFT + rehearsal GRPO"
+
 
 @dataclass
 class DemoConfig:
     model: str = field("default", help="base model")
     tiny: bool = field(False, help="use a tiny random model (smoke test of the pipeline, not a result)")
     output_dir: str = field("runs/demo", help="where the report and runs go")
-    eval_per_world: int = field(2, help="held-out evaluation tasks per world")
+    eval_per_world: int = field(8, help="test tasks per world (5 worlds: 40 tasks, the held-out world's included)")
     max_turn_tokens: int = field(96, help="tokens per ACT turn in evaluation and training")
-    sft_per_world: int = field(8, help="SFT tasks per training world")
+    sft_per_world: int = field(10, help="SFT tasks per training world")
     sft_epochs: int = field(1, help="SFT epochs")
     sft_lr: float = field(2e-4, help="SFT learning rate")
-    sft_rows_per_step: int = field(4, help="trajectories per SFT step (4: twice the updates of 8 for the same compute)")
-    rl_steps: int = field(2, help="GRPO steps with world rehearsal")
-    rl_tasks_per_step: int = field(2, help="tasks per GRPO step")
+    sft_rows_per_step: int = field(2, help="trajectories per SFT step (fewer: more updates for the same compute)")
+    rl_steps: int = field(3, help="GRPO steps with world rehearsal")
+    rl_tasks_per_step: int = field(3, help="tasks per GRPO step")
     rl_k: int = field(4, help="rollouts per task")
-    rl_lr: float = field(1e-5, help="GRPO learning rate")
+    rl_lr: float = field(2e-5, help="GRPO learning rate (1e-4 lowered tool F1 and success in 3 steps; docs/training.md)")
+    rl_reward: str = field("partial", help="GRPO reward: partial (the verifier's partial credit: signal before a task is solved) or replay (0/1)")
     difficulty: int = field(1, help="task difficulty for training and evaluation")
-    eval_sft: bool = field(False, help="also evaluate the SFT checkpoint (about 2 more minutes)")
+    eval_rehearse: bool = field(False, help="also evaluate the trained model in rehearse mode (fidelity on the test tasks; training logs it per step)")
     seed: int = field(0, help="seed")
     progress: bool = field(True, help="progress bars")
 
@@ -49,19 +55,36 @@ class DemoConfig:
         for name in ("sft_lr", "rl_lr"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.rl_reward not in ("partial", "replay"):
+            raise ConfigError(f"rl_reward must be partial or replay, got {self.rl_reward!r}")
         if self.difficulty not in (1, 2, 3):
             raise ConfigError(f"difficulty must be 1, 2 or 3, got {self.difficulty}")
 
 
-def _evaluate(model: str, cfg: DemoConfig, split: str, mode: str, out: Path) -> dict[str, Any]:
+def _evaluate(model: str, cfg: DemoConfig, mode: str, out: Path) -> dict[str, Any]:
     from envace.evaluation.runner import EvalConfig, run_eval
 
-    return run_eval(build(EvalConfig, dict(model=model, split=split, n_per_world=cfg.eval_per_world, difficulty=cfg.difficulty, seed=cfg.seed,
+    # The test split holds the training worlds' test tasks and the held-out world's tasks.
+    return run_eval(build(EvalConfig, dict(model=model, split="test", n_per_world=cfg.eval_per_world, difficulty=cfg.difficulty, seed=cfg.seed,
                                            output_dir=str(out), progress=cfg.progress, rollout=dict(mode=mode, max_turns=6, max_turn_tokens=cfg.max_turn_tokens,
                                                                                                   max_rehearse_tokens=128, temperature=0.0))))
 
 
+def per_task(eval_dir: Path, key: str) -> dict[str, float]:
+    """task id -> `key` ("success" or "partial_credit") from an evaluation's records.jsonl."""
+    records = [json.loads(line) for line in (eval_dir / "records.jsonl").read_text().splitlines()]
+    return {r["task_id"]: float(r[key] or 0.0) for r in records}
+
+
+def compare(before: Path, after: Path) -> dict[str, Any]:
+    """SFT + GRPO against SFT on the same tasks: success and partial credit, paired."""
+    from envace.metrics import paired_comparison
+
+    return {key: paired_comparison(per_task(before, key), per_task(after, key)) for key in ("success", "partial_credit")}
+
+
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
+    from envace.training.plots import story_plot
     from envace.training.sft import SFTConfig, run_sft
     from envace.training.trainer import TrainConfig, run_train
 
@@ -77,31 +100,47 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         timings[name] = time.perf_counter() - t
         return result
 
+    def evaluate(name: str, model: str, mode: str = "real") -> dict[str, Any]:
+        return stage(f"evaluate {name}", lambda: _evaluate(model, cfg, mode, root / f"eval-{name}"))
+
     common = dict(tiny=cfg.tiny, seed=cfg.seed, progress=cfg.progress)
     sft = build(SFTConfig, dict(model=cfg.model, n_per_world=cfg.sft_per_world, epochs=cfg.sft_epochs, lr=cfg.sft_lr, rows_per_step=cfg.sft_rows_per_step,
                                 difficulty=cfg.difficulty, output_dir=str(root / "sft"), **common))
-    def evaluate(name: str, model: str, mode: str = "real") -> dict[str, Any]:
-        # The test split holds the training worlds' test tasks and the held-out world's tasks.
-        return stage(f"evaluate {name}", lambda: _evaluate(model, cfg, "test", mode, root / f"eval-{name}"))
-
-    stages = {} if cfg.tiny else {"base": evaluate("base", cfg.model)}  # a tiny model has no base to evaluate
-    warm = stage("warm start (SFT on real-world trajectories)", lambda: run_sft(sft))["final_model"]
-    if cfg.eval_sft:
-        stages["SFT"] = evaluate("sft", warm)
-    train = build(TrainConfig, dict(model=cfg.model, init_from=warm, variant="envace", steps=cfg.rl_steps, tasks_per_step=cfg.rl_tasks_per_step, k=cfg.rl_k,
-                                    lr=cfg.rl_lr, difficulty=cfg.difficulty, output_dir=str(root / "train"), save_every=cfg.rl_steps,
+    train = build(TrainConfig, dict(model=cfg.model, variant="envace", steps=cfg.rl_steps, tasks_per_step=cfg.rl_tasks_per_step, k=cfg.rl_k,
+                                    lr=cfg.rl_lr, reward=cfg.rl_reward, difficulty=cfg.difficulty, output_dir=str(root / "train"), save_every=cfg.rl_steps,
                                     rollout=dict(max_turn_tokens=cfg.max_turn_tokens, max_rehearse_tokens=128), **common))
+    stages = {} if cfg.tiny else {BASE: evaluate("base", cfg.model)}  # a tiny model has no base to evaluate
+    warm = stage("warm start (SFT on real-world trajectories)", lambda: run_sft(sft))["final_model"]
+    stages[SFT] = evaluate("sft", warm)
+    train.init_from = warm  # built (and checked) before any model loads; the warm start exists only now
     train_result = stage("train with world rehearsal (role-level GRPO)", lambda: run_train(train))
     trained = train_result["final_model"]
-    stages["SFT + rehearsal GRPO"] = evaluate("trained", trained)
-    stages["SFT + rehearsal GRPO, rehearse mode"] = evaluate("trained-rehearse", trained, "rehearse")
+    stages[TRAINED] = evaluate("trained", trained)
+    if cfg.eval_rehearse:
+        stages[f"{TRAINED}, rehearse mode"] = evaluate("trained-rehearse", trained, "rehearse")
     summary = {
         "stages": stages,
-        "train": {k: train_result[k] for k in ("run_dir", "world_executions", "chain_world_executions", "plots")},
+        "paired": compare(root / "eval-sft", root / "eval-trained"),
+        "train": {k: train_result[k] for k in ("run_dir", "world_executions", "chain_world_executions")}
+                 | {"story_plot": str(story_plot(Path(train_result["run_dir"]) / "metrics.jsonl", root / "training_story.png"))},
         "timings_s": timings, "total_s": time.perf_counter() - start, "config": cfg.__dict__,
     }
     write_report(summary, root)
     return summary
+
+
+def _credit(stage: dict[str, Any]) -> str:
+    o = stage["overall"]
+    if "partial_credit" not in o:
+        return "-"
+    low, high = o["partial_credit_ci95"]
+    return f"{o['partial_credit']:.2f} [{low:.2f}, {high:.2f}]"
+
+
+def _paired_line(name: str, p: dict[str, Any]) -> str:
+    low, high = p["ci95"]
+    verdict = "excludes 0" if low > 0 or high < 0 else "includes 0"
+    return (f"| {name} | {p['mean_diff']:+.3f} [{low:+.3f}, {high:+.3f}] ({verdict}) | {p['better']} | {p['worse']} | {p['same']} | {p['n']} |")
 
 
 def report_markdown(summary: dict[str, Any], root: Path) -> str:
@@ -112,25 +151,31 @@ def report_markdown(summary: dict[str, Any], root: Path) -> str:
         "# envace demo report", "",
         f"Model: `{cfg['model']}`{' (tiny random model: a smoke test of the pipeline, not a result)' if cfg['tiny'] else ''}; "
         f"SFT on {cfg['sft_per_world']} tasks per training world x {cfg['sft_epochs']} epochs, then {cfg['rl_steps']} GRPO steps "
-        f"({cfg['rl_tasks_per_step']} tasks x K={cfg['rl_k']}) in rehearse mode. Greedy evaluation on the test split "
-        f"(difficulty {cfg['difficulty']}). Total wall time {summary['total_s'] / 60:.1f} min.", "",
-        f"| stage | success, training worlds ({', '.join(TRAIN_WORLDS)}) | success, held-out world ({', '.join(HELDOUT_WORLDS)}) | tool F1 | fidelity exact / field F1 | real env calls | malformed |",
-        "|---|---|---|---|---|---|---|",
+        f"({cfg['rl_tasks_per_step']} tasks x K={cfg['rl_k']}, reward `{cfg['rl_reward']}`) in rehearse mode. Greedy evaluation on "
+        f"{cfg['eval_per_world']} test tasks per world (difficulty {cfg['difficulty']}). Total wall time {summary['total_s'] / 60:.1f} min.", "",
+        f"| stage | success, training worlds ({', '.join(TRAIN_WORLDS)}) | success, held-out world ({', '.join(HELDOUT_WORLDS)}) | partial credit [95% CI] | tool F1 | fidelity exact / field F1 | real env calls | malformed |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, s in summary["stages"].items():
         o = s["overall"]
         fid = f"{o['fidelity/exact']:.2f} / {o['fidelity/field_f1']:.2f}" if "fidelity/exact" in o else "-"
-        lines.append(f"| {name} | {pooled_success(s, set(TRAIN_WORLDS))} | {pooled_success(s, set(HELDOUT_WORLDS))} | {o.get('tool_f1', 0):.2f} | {fid} | {o['real_env_calls']} | {o['malformed']} |")
+        lines.append(f"| {name} | {pooled_success(s, set(TRAIN_WORLDS))} | {pooled_success(s, set(HELDOUT_WORLDS))} | {_credit(s)} | "
+                     f"{o.get('tool_f1', 0):.2f} | {fid} | {o['real_env_calls']} | {o['malformed']} |")
+    lines += ["", f"## What the GRPO steps changed: {TRAINED} minus {SFT}, task by task", "",
+              "Mean per-task difference with a 95% paired bootstrap interval (10,000 resamples of the tasks), and how many tasks got better, worse or stayed.", "",
+              "| metric | mean difference [95% CI] | better | worse | same | tasks |", "|---|---|---|---|---|---|",
+              _paired_line("success", summary["paired"]["success"]), _paired_line("partial credit", summary["paired"]["partial_credit"])]
     calls = summary["train"]["world_executions"]
     lines += ["", f"Real-world executions during rehearsal training: **{calls['rollout']}** while rolling out, "
-              f"**{calls['verification']}** to verify (the replay reward re-runs ACT's committed calls on a fresh world "
+              f"**{calls['verification']}** to verify (the reward re-runs ACT's committed calls on a fresh world "
               f"to score them; the policy never sees those results), {calls['grounding']} for grounding; "
               f"{summary['train']['chain_world_executions']['sft_data']} made the warm start's data.", "",
-              "## Per world after training (real world)", "", markdown_table(summary["stages"]["SFT + rehearsal GRPO"]), "",
+              "## Per world after training (real world)", "", markdown_table(summary["stages"][TRAINED]), "",
               "## Stage timings", "", "| stage | seconds |", "|---|---|"]
     lines += [f"| {k} | {v:.0f} |" for k, v in summary["timings_s"].items()]
-    lines += ["", "## Training curves", ""]
-    lines += [f"![{Path(p).stem}]({os.path.relpath(p, root)})" for p in summary["train"]["plots"]]
+    lines += ["", "## Training", "", "Reward per role, success and partial credit, and rehearsal fidelity per GRPO step "
+              "(all of a run's metrics: the run's metrics.jsonl and plots/).", "",
+              f"![training story]({os.path.relpath(summary['train']['story_plot'], root)})"]
     return "\n".join(lines) + "\n"
 
 

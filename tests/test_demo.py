@@ -7,17 +7,28 @@ from envace.demo import DemoConfig, run_demo
 def test_demo_config_validation():
     with pytest.raises(ConfigError, match="rl_k"):
         build(DemoConfig, {"rl_k": 1})
+    with pytest.raises(ConfigError, match="rl_reward"):
+        build(DemoConfig, {"rl_reward": "judge"})
+
+
+def test_default_demo_evaluates_at_least_40_tasks_across_all_worlds():
+    from envace.envs import HELDOUT_WORLDS, TRAIN_WORLDS
+
+    assert DemoConfig().eval_per_world * len(TRAIN_WORLDS + HELDOUT_WORLDS) >= 40
 
 
 @pytest.mark.slow
 def test_demo_pipeline_end_to_end_on_a_tiny_model(tmp_path):
     """The whole demo (SFT, rehearsal GRPO, evaluations, report) on a tiny random model."""
     cfg = build(DemoConfig, dict(tiny=True, output_dir=str(tmp_path), eval_per_world=1, sft_per_world=2, sft_epochs=1,
-                                 rl_steps=1, rl_tasks_per_step=1, rl_k=2, max_turn_tokens=16, eval_sft=True, progress=False))
+                                 rl_steps=1, rl_tasks_per_step=1, rl_k=2, max_turn_tokens=16, eval_rehearse=True, progress=False))
     summary = run_demo(cfg)
     assert list(summary["stages"]) == ["SFT", "SFT + rehearsal GRPO", "SFT + rehearsal GRPO, rehearse mode"]
     report = (tmp_path / "report.md").read_text()
     assert "| SFT + rehearsal GRPO |" in report and "held-out world (travel)" in report
+    paired = summary["paired"]["partial_credit"]
+    assert paired["n"] == 5 and paired["better"] + paired["worse"] + paired["same"] == 5  # one task per world, both runs
+    assert "| partial credit |" in report and (tmp_path / "training_story.png").stat().st_size > 0
     calls = summary["train"]["world_executions"]
     assert calls["rollout"] == 0 and calls["grounding"] == 0  # rehearsal rollouts; verification depends on the calls made
     assert summary["train"]["chain_world_executions"]["sft_data"] > 0  # and so is the warm start's data

@@ -272,7 +272,7 @@ def serve(model_spec: str, host: str = "127.0.0.1", port: int = 8000, seed: int 
 
 @dataclass
 class ServeConfig:
-    model: str = field("default", help="model: 'default' (bundled SmolLM2-135M-Instruct), a local directory or a .gguf file")
+    model: str = field("default", help="model: 'default' (bundled SmolLM2-135M-Instruct), 'qwen2.5-coder-0.5b' (make install-qwen), a local directory or a .gguf file")
     host: str = field("127.0.0.1", help="address to bind (loopback by default: the server has no auth)")
     port: int = field(8000, help="TCP port (0 = any free port)")
     seed: int = field(0, help="sampling seed")

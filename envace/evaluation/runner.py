@@ -38,7 +38,7 @@ def eval_rollout() -> RolloutConfig:
 
 @dataclass
 class EvalConfig:
-    model: str = field("default", help="model: 'default' (bundled SmolLM2-135M-Instruct), a local directory, a .gguf file, or an http(s):// OpenAI-compatible URL")
+    model: str = field("default", help="model: 'default' (bundled SmolLM2-135M-Instruct), 'qwen2.5-coder-0.5b' (make install-qwen), a local directory, a .gguf file, or an http(s):// OpenAI-compatible URL")
     tokenizer: str | None = field(None, help="tokenizer spec for an http model (default: the bundled model's)")
     api_model: str | None = field(None, help="model name sent to an OpenAI-compatible server (default: its only model)")
     worlds: list[str] = field([], help="built-in world names or module:Class (default: all worlds of the split)")

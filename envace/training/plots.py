@@ -59,3 +59,32 @@ def plot_metrics(metrics_jsonl: str | Path, out_dir: str | Path) -> list[Path]:
         fig.savefig(path, dpi=100)
         paths.append(path)
     return paths
+
+
+# The story of a rehearsal run, one panel each: what each role was paid, whether tasks got
+# solved, and whether REHEARSE's imagined responses matched the real world's.
+STORY = (("reward per role", ("reward/act", "reward/rehearse")), ("success and partial credit", ("success_rate", "partial_credit")),
+         ("rehearsal fidelity", ("fidelity/exact", "fidelity/field_f1")))
+
+
+def story_plot(metrics_jsonl: str | Path, out_path: str | Path) -> Path:
+    """One PNG with three panels per training step: reward per role, success and partial
+    credit, rehearsal fidelity; a panel whose metrics the run did not log says so."""
+    series = _series(Path(metrics_jsonl))
+    fig = Figure(figsize=(13, 3.8), layout="tight")
+    FigureCanvasAgg(fig)
+    for i, (title, keys) in enumerate(STORY, 1):
+        ax = fig.add_subplot(1, len(STORY), i)
+        logged = [k for k in keys if k in series]
+        for key in logged:
+            ax.plot(*series[key], marker=".", label=key)
+        if not logged:
+            ax.text(0.5, 0.5, "not logged in this run", ha="center", va="center", transform=ax.transAxes)
+        ax.set(title=title, xlabel="step", ylim=(-0.15, 1.05))
+        ax.grid(alpha=0.3)
+        if logged:
+            ax.legend(fontsize="small")
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path, dpi=100)
+    return out_path
