@@ -18,6 +18,7 @@ from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 NOT_PLOTTED = {"step", "time"}
 
@@ -81,6 +82,7 @@ def story_plot(metrics_jsonl: str | Path, out_path: str | Path) -> Path:
         if not logged:
             ax.text(0.5, 0.5, "not logged in this run", ha="center", va="center", transform=ax.transAxes)
         ax.set(title=title, xlabel="step", ylim=(-0.15, 1.05))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
         ax.grid(alpha=0.3)
         if logged:
             ax.legend(fontsize="small")
