@@ -75,11 +75,12 @@ def evaluate_mode(args: argparse.Namespace, mode: str, policy: Any, rehearser: A
     groups, acc = run_with_rehearsal(policy, env, tasks, config, rehearser=rehearser, guard=guard)
     wall = time.perf_counter() - started
     compute_rewards("replay", groups, tasks, Context(env=env))
-    successes = sum((g[0].reward or 0.0) >= 1.0 for g in groups)
+    successes = sum(bool(g[0].success) for g in groups)
     low, high = wilson_interval(successes, len(tasks))
     n = len(tasks)
     return {
         "mode": mode, "n": acc["n"], "tasks": n, "success": successes / n, "low": low, "high": high,
+        "partial_credit": sum(g[0].partial_credit or 0.0 for g in groups) / n,
         "extra_tokens": acc["extra_tokens"] / n, "rehearsal_seconds": acc["rehearsal_seconds"] / n,
         "execution_seconds": acc["execution_seconds"] / n, "wall_seconds": wall,
     }
@@ -87,13 +88,17 @@ def evaluate_mode(args: argparse.Namespace, mode: str, policy: Any, rehearser: A
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| rehearsal | N | tasks | success (95% CI) | extra tokens / task | rehearsal s / task | execution s / task |",
-        "|---|---|---|---|---|---|---|",
+        "| rehearsal | N | tasks | success (95% CI) | partial credit | extra tokens / task | rehearsal s / task | execution s / task | rehearsal s per point of success gained |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+    baseline = next((r["success"] for r in rows if r["mode"] == "none"), None)
     for r in rows:
+        # What one percentage point of success over the no-rehearsal row costs in rehearsal time.
+        gained = None if baseline is None or r["mode"] == "none" else 100 * (r["success"] - baseline)
+        per_point = "-" if gained is None else (f"{r['rehearsal_seconds'] * r['tasks'] / gained:.0f}" if gained > 0 else "no gain")
         lines.append(
-            f"| {r['mode']} | {r['n']} | {r['tasks']} | {r['success']:.2f} ({r['low']:.2f}-{r['high']:.2f}) | "
-            f"{r['extra_tokens']:.0f} | {r['rehearsal_seconds']:.1f} | {r['execution_seconds']:.1f} |"
+            f"| {r['mode']} | {r['n']} | {r['tasks']} | {r['success']:.2f} ({r['low']:.2f}-{r['high']:.2f}) | {r['partial_credit']:.2f} | "
+            f"{r['extra_tokens']:.0f} | {r['rehearsal_seconds']:.1f} | {r['execution_seconds']:.1f} | {per_point} |"
         )
     return "\n".join(lines)
 

@@ -101,7 +101,11 @@ def verified(task: Task, traj: Trajectory, ctx: Context) -> tuple[Verdict, list[
     left unanswered must not change the world the verifier checks."""
     world = ctx.make_world(task)
     observations = replay_calls(world, traj.committed_calls)
-    return world.verify(task, traj.final_answer), observations
+    verdict = world.verify(task, traj.final_answer)
+    if not isinstance(verdict, Verdict):
+        raise TypeError(f"{type(world).__name__}.verify returned {type(verdict).__name__}, not an envace.envs.base.Verdict; fix: "
+                        "return check_success(spec, state, answer, initial) or Verdict([Check(name, ok, got), ...])")
+    return verdict, observations
 
 
 @REWARDS.register("replay")

@@ -380,3 +380,17 @@ def test_reference_reward_on_a_recorded_reference_that_makes_no_call():
     busy = Trajectory(task_id="refuse", mode="rehearse", tool_calls=[ToolCall("delete", {"path": "/"})])
     assert reference_reward(task, silent, Context(env=None)).value == 1.0
     assert reference_reward(task, busy, Context(env=None)).value == 0.0
+
+
+class OldStyleEnvironment(WorldEnvironment):
+    """A world whose verify still returns the old (value, details) pair."""
+
+    def make_world(self, task):
+        world = super().make_world(task)
+        world.verify = lambda task, answer: (1.0, {})
+        return world
+
+
+def test_a_world_whose_verify_returns_no_verdict_is_a_clear_error():
+    with pytest.raises(TypeError, match="not an envace.envs.base.Verdict; fix: return check_success"):
+        REWARDS.get("replay")(task(), traj([], "5"), Context(env=OldStyleEnvironment()))
