@@ -184,8 +184,8 @@ class ToolWorld:
     def verify(self, task: Task, final_answer: str | None) -> Verdict:
         """Check the task's success spec against this world's current state and the answer; the
         state the task started from tells which checks guard against side effects."""
-        initial = copy.deepcopy(task.initial_state) if task.initial_state else self.default_state()
-        return check_success(task.success, self.state, final_answer, initial)
+        # Read only, so the task's own dict serves (no copy on the reward's per-rollout path).
+        return check_success(task.success, self.state, final_answer, task.initial_state or self.default_state())
 
 
 def get_path(state: Any, path: str) -> Any:
