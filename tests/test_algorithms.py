@@ -345,6 +345,22 @@ def test_sequence_logprobs_matches_per_token_computation(tied):
         torch.testing.assert_close(a, b)
 
 
+def test_sequence_logprobs_at_a_temperature_are_those_of_the_scaled_logits():
+    """At T = 0.5 the logprob of token t is log softmax(logits / 0.5), the distribution a
+    tempered rollout drew from, and the entropy is that distribution's."""
+    model = tiny_model()
+    batch = random_batch([9, 6], seed=1)
+    tempered, entropy = sequence_logprobs(model, batch, chunk_size=3, temperature=0.5)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float() / 0.5, dim=-1)
+    valid = batch.attention_mask[:, 1:].bool()
+    expected = logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    torch.testing.assert_close(tempered[:, 1:][valid], expected[valid])
+    torch.testing.assert_close(entropy[:, 1:][valid], -(logp.exp() * logp).sum(-1)[valid])
+    plain, _ = sequence_logprobs(model, batch)
+    assert (tempered[:, 1:][valid] - plain[:, 1:][valid]).abs().max() > 1e-3  # far above the 1e-5 tolerance: T is applied
+
+
 def test_sequence_logprobs_through_peft():
     from peft import LoraConfig, get_peft_model
 

@@ -8,6 +8,7 @@ the real default model.
 from __future__ import annotations
 
 import gc
+import math
 import socket
 import threading
 import time
@@ -53,11 +54,11 @@ def prompts(tokenizer):
     return [tokenizer.encode(t) for t in texts]
 
 
-def full_logprobs(model, sequence: list[int], start: int) -> list[float]:
-    """log p(sequence[j] | sequence[:j]) for j >= start, from one uncached forward."""
+def full_logprobs(model, sequence: list[int], start: int, temperature: float = 1.0) -> list[float]:
+    """log p(sequence[j] | sequence[:j]) under softmax(logits / temperature) for j >= start, from one uncached forward."""
     with torch.no_grad():
         logits = model(torch.tensor([sequence])).logits[0].float()
-    logp = torch.log_softmax(logits[start - 1:-1], dim=-1)
+    logp = torch.log_softmax(logits[start - 1:-1] / temperature, dim=-1)
     return logp.gather(-1, torch.tensor(sequence[start:])[:, None]).squeeze(1).tolist()
 
 
@@ -158,8 +159,19 @@ def test_logprobs_match_full_forward(model, tokenizer, prompts):
     _, outs, sequences = run_turns(gen, three_turns(prompts, tokenizer), params)
     for i, seq in enumerate(sequences):
         last = outs[-1][i]
-        expected = full_logprobs(model, seq, len(seq) - len(last.token_ids))
+        expected = full_logprobs(model, seq, len(seq) - len(last.token_ids), temperature=0.7)  # tempered, before the nucleus cut
         assert max(abs(a - b) for a, b in zip(last.logprobs, expected)) < TOL
+
+
+@pytest.mark.parametrize("temperature,expected", [(1.0, [0.25, 0.75]), (0.5, [0.1, 0.9]), (0.0, [0.25, 0.75])])
+def test_sampled_logprobs_are_those_of_the_tempered_distribution(temperature, expected):
+    """logits (log 1, log 3): p = (1/4, 3/4) at T = 1; at T = 0.5 the logits double, p ∝ (1, 9)
+    = (0.1, 0.9); greedy reports the raw logits' probability of the argmax."""
+    logits = torch.tensor([[0.0, math.log(3.0)]] * 64)
+    tokens, logprobs = hf.sample(logits, SamplingParams(max_new_tokens=1, temperature=temperature), torch.Generator().manual_seed(0))
+    assert set(tokens.tolist()) <= {0, 1} and (temperature > 0 or set(tokens.tolist()) == {1})
+    for tok, lp in zip(tokens.tolist(), logprobs.tolist()):
+        assert lp == pytest.approx(math.log(expected[tok]), abs=1e-6)
 
 
 def test_stop_token_string_and_length(model, tokenizer, prompts):

@@ -459,19 +459,24 @@ def _prefix_grouped(model: torch.nn.Module) -> Iterator[None]:
 
 
 def _token_logprobs(
-    head: torch.nn.Module, softcap: float | None, hidden: torch.Tensor, targets: torch.Tensor
+    head: torch.nn.Module, softcap: float | None, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     logits = head(hidden).float()
     if softcap:
         logits = softcap * torch.tanh(logits / softcap)
+    if temperature != 1.0:
+        logits = logits / temperature
     logp = torch.log_softmax(logits, dim=-1)
     with torch.no_grad():  # entropy is a metric, not part of the loss
         entropy = -(logp.exp() * logp).sum(-1)
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
 
 
-def sequence_logprobs(model: torch.nn.Module, batch: Batch, chunk_size: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprob and entropy of token t under the logits at t-1, both [B, T] (position 0 holds 0).
+def sequence_logprobs(model: torch.nn.Module, batch: Batch, chunk_size: int = 512,
+                      temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprob and entropy of token t under softmax(logits at t-1 / temperature), both [B, T]
+    (position 0 holds 0). `temperature` is the rollout's sampling temperature, so that the PPO
+    ratio compares the distribution that drew the tokens (as the samplers report it).
 
     The [B, T, vocab] logits are the memory peak of RL on long transcripts, so the LM head runs
     over `chunk_size` positions at a time, and under autograd each chunk is checkpointed: only
@@ -505,11 +510,11 @@ def sequence_logprobs(model: torch.nn.Module, batch: Batch, chunk_size: int = 51
     head = inner.get_output_embeddings()
     softcap = getattr(inner.config, "final_logit_softcapping", None)  # Gemma-style models
     if packed is not None:
-        return _packed_logprobs(head, softcap, caught[0], packed, chunk_size)
+        return _packed_logprobs(head, softcap, caught[0], packed, chunk_size, temperature)
     hidden, targets = caught[0][:, :-1], batch.input_ids[:, 1:]
     logps, entropies = [], []
     for start in range(0, hidden.shape[1], chunk_size):
-        args = (head, softcap, hidden[:, start : start + chunk_size], targets[:, start : start + chunk_size])
+        args = (head, softcap, hidden[:, start : start + chunk_size], targets[:, start : start + chunk_size], temperature)
         lp, ent = checkpoint(_token_logprobs, *args, use_reentrant=False) if torch.is_grad_enabled() else _token_logprobs(*args)
         logps.append(lp)
         entropies.append(ent)
@@ -518,7 +523,7 @@ def sequence_logprobs(model: torch.nn.Module, batch: Batch, chunk_size: int = 51
 
 
 def _packed_logprobs(head: torch.nn.Module, softcap: float | None, hidden: torch.Tensor, packed: PackedInputs,
-                     chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     chunk_size: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Score every (predicting position, target) pair, chunk_size positions per packed row at a
     time (checkpointed as above), and gather the pairs into the original rows' [B, T]."""
     if packed.pair_positions.numel() == 0:  # one-token rows only: nothing is predicted
@@ -528,7 +533,7 @@ def _packed_logprobs(head: torch.nn.Module, softcap: float | None, hidden: torch
     step = chunk_size * hidden.shape[0]
     logps, entropies = [], []
     for start in range(0, predictors.shape[0], step):
-        args = (head, softcap, predictors[start : start + step], packed.pair_targets[start : start + step])
+        args = (head, softcap, predictors[start : start + step], packed.pair_targets[start : start + step], temperature)
         lp, ent = checkpoint(_token_logprobs, *args, use_reentrant=False) if torch.is_grad_enabled() else _token_logprobs(*args)
         logps.append(lp)
         entropies.append(ent)
@@ -537,7 +542,8 @@ def _packed_logprobs(head: torch.nn.Module, softcap: float | None, hidden: torch
 
 
 def recompute_old_logprobs(model: torch.nn.Module, rows: Sequence[Row], pad_id: int, max_tokens: int = 4096,
-                           share_prefix: bool = False, autocast: Callable[[], ContextManager] | None = None) -> list[Row]:
+                           share_prefix: bool = False, autocast: Callable[[], ContextManager] | None = None,
+                           temperature: float = 1.0) -> list[Row]:
     """The rows with `old_logprobs` recomputed by the trainer's model (one no-grad forward) and
     the sampler's logprobs kept as `behaviour_logprobs`: call it before the update when a rollout
     engine with other numerics sampled (then pass `tis_cap` to `ppo_loss`).
@@ -546,9 +552,10 @@ def recompute_old_logprobs(model: torch.nn.Module, rows: Sequence[Row], pad_id: 
     `behaviour_logprobs` = those (unless the row already had behaviour logprobs, which are kept,
     so calling it again only refreshes `old_logprobs`), and `old_logprobs` = the trainer's at the
     trained positions (loss_mask > 0; elsewhere unchanged). Micro-batched like the update
-    (`max_tokens`, `share_prefix`), under `autocast` (e.g. `accelerator.autocast`) so that the
-    numerics are the update's; the model runs unwrapped (no DDP hooks) and in eval mode, then
-    back in its previous mode. Returns new rows, in the order given."""
+    (`max_tokens`, `share_prefix`), under `autocast` (e.g. `accelerator.autocast`) and at the
+    rollout's `temperature` so that the numerics are the update's; the model runs unwrapped (no
+    DDP hooks) and in eval mode, then back in its previous mode. Returns new rows, in the order
+    given."""
     from accelerate.utils import extract_model_from_parallel
 
     inner = extract_model_from_parallel(model)
@@ -562,7 +569,7 @@ def recompute_old_logprobs(model: torch.nn.Module, rows: Sequence[Row], pad_id: 
             for chunk in budget_micro_batches(units, max_tokens):
                 batch = collate(chunk, pad_id).to(device)
                 with (autocast or contextlib.nullcontext)():
-                    logprobs, _ = sequence_logprobs(inner, batch)
+                    logprobs, _ = sequence_logprobs(inner, batch, temperature=temperature)
                 for row, values in zip(unit_rows(chunk), logprobs.float().cpu().tolist()):
                     computed[id(row)] = values
     finally:

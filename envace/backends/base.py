@@ -61,7 +61,10 @@ def check_call(sessions: list[int], new_tokens: list[list[int]], params: list[Sa
 @dataclass
 class Completion:
     token_ids: list[int]  # as sampled, stop token/string included
-    logprobs: list[float]  # log p(token) under the sampling distribution's model (temperature 1 logits)
+    # log p(token) under softmax(logits / T), T the call's temperature (the raw logits when greedy),
+    # before any top_p cut (HFGenerator, envace's server). llama.cpp, and vLLM in its default logprobs
+    # mode, report the raw logits' (T = 1) probabilities whatever T is: training refuses them at T != 1.
+    logprobs: list[float]
     finish_reason: str  # "stop" (stop token/string) or "length"
     text: str = ""
 

@@ -32,8 +32,9 @@ Memory bound
 Sampling
     temperature 0 = greedy; otherwise softmax(logits / temperature) restricted to the top_p nucleus,
     drawn with a `torch.Generator` seeded once from `seed` (reproducible for the same sequence of
-    calls). Logprobs are log_softmax of the raw (temperature 1, unfiltered) logits at the sampled
-    token: the policy's own probability, which is what the trainer's ratio needs.
+    calls). Logprobs are log_softmax(logits / temperature) at the sampled token, before the top_p
+    cut (raw logits when greedy): the probability of the distribution that drew the token, which
+    is what the trainer's ratio needs (it recomputes them at the same temperature).
 """
 
 from __future__ import annotations
@@ -139,11 +140,13 @@ def _draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens, logprobs) for float32 logits [batch, vocab]; logprobs use the raw logits."""
+    """(tokens, logprobs) for float32 logits [batch, vocab]; logprobs are log softmax(logits / T)
+    before the nucleus cut (the raw logits' when greedy), as `Completion.logprobs` says."""
     if params.temperature <= 0:
         tokens = logits.argmax(-1)
     else:
-        probs = torch.softmax(logits / params.temperature, dim=-1)
+        logits = logits / params.temperature
+        probs = torch.softmax(logits, dim=-1)
         if params.top_p < 1.0:
             probs = _top_p(probs, params.top_p)
         tokens = _draw(probs, generator)
