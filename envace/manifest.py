@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from envace.accounting import WorldExecutions
+from envace.accounting import WorldExecutions, task_data_exports
 from envace.types import Task
 
 MANIFEST = "data_manifest.json"
@@ -45,9 +45,30 @@ def inherited_executions(parent_model: str | None) -> WorldExecutions:
     return WorldExecutions.from_dict((read_manifest(parent_model) or {}).get("world_executions"))
 
 
-def with_executions(manifest: dict[str, Any], chain: WorldExecutions) -> dict[str, Any]:
-    """The manifest recording `chain`: every world execution that made the checkpoint."""
-    return manifest | {"world_executions": chain.as_dict()}
+def task_data_chain(parent_model: str | None, tasks_file: str | Path | None) -> dict[str, int]:
+    """The recordings of world-free task files behind a run: its parent chain's and its own task
+    file's, each once (`accounting.task_data_exports`)."""
+    parent = read_manifest(parent_model) or {}
+    exports = dict(parent.get("task_data_exports") or {})
+    legacy = inherited_executions(parent_model).task_data
+    if legacy and not exports:  # a manifest from before recordings were keyed: kept as counted
+        exports[f"inherited:{parent_model}"] = legacy
+    return exports | task_data_exports(tasks_file)
+
+
+def chain_executions(parent_model: str | None, tasks_file: str | Path | None, own: WorldExecutions) -> WorldExecutions:
+    """Every world execution behind a run's model: its parent chain's, recording its task file,
+    and its own (`own`: rollouts, verification, grounding, SFT data)."""
+    chain = inherited_executions(parent_model) + own
+    chain.task_data = sum(task_data_chain(parent_model, tasks_file).values())
+    return chain
+
+
+def with_executions(manifest: dict[str, Any], parent_model: str | None, tasks_file: str | Path | None, own: WorldExecutions) -> dict[str, Any]:
+    """The manifest recording every world execution that made the checkpoint (`chain_executions`),
+    and which task-file recordings they include, so that the next run of the chain counts each once."""
+    return manifest | {"world_executions": chain_executions(parent_model, tasks_file, own).as_dict(),
+                       "task_data_exports": task_data_chain(parent_model, tasks_file)}
 
 
 def write_manifest(manifest: dict[str, Any], *dirs: Path) -> None:

@@ -343,12 +343,25 @@ def test_the_judge_reward_needs_judge_and_judge_needs_the_judge_reward(values, m
         build(TrainConfig, values)
 
 
-@pytest.mark.parametrize("values", [{"temperature": 0.7}, {"top_p": 0.9}, {"rollout": {"temperature": 0.0}}])
-def test_training_samples_only_where_the_ppo_ratio_is_exact(values):
-    """Recorded and recomputed logprobs are at T=1 over the full vocabulary (backends/hf.py):
-    tempered or nucleus sampling would make the PPO ratio wrong, so it is refused."""
-    with pytest.raises(ConfigError, match="temperature 1 and top_p 1.*only exact there"):
+@pytest.mark.parametrize("values,match", [
+    ({"top_p": 0.9}, "full vocabulary (top_p 1, got top_p=0.9)"),
+    ({"rollout": {"temperature": 0.0}}, "needs temperature > 0 (got 0.0)"),
+    ({"temperature": 0.7, "sampler": "llamacpp"}, "--sampler llamacpp reports logprobs at temperature 1 only"),
+])
+def test_training_samples_only_where_the_ppo_ratio_is_exact(values, match):
+    """The ratio's logprobs are those of softmax(logits / T) over the full vocabulary: a nucleus
+    cut, greedy decoding, or an engine that reports T = 1 logprobs at another T is refused."""
+    with pytest.raises(ConfigError, match=re.escape(match)):
         build(TrainConfig, values)
+
+
+def test_a_tempered_step_recomputes_the_ratio_at_the_sampling_temperature(tmp_path, task_file):
+    """At T = 0.5 the sampler records log softmax(logits / 0.5) and the fp32 update recomputes
+    the same: its first ratio is exactly 1 (approx_kl 0, nothing clipped). An update that read
+    the logits at T = 1 would see log-ratios of order one on every token."""
+    metrics = Trainer(build(TrainConfig, dict(SIGNAL, tasks=task_file, precision="fp32", temperature=0.5, output_dir=str(tmp_path / "t05")))).train_step()
+    assert metrics["policy/skipped_update"] == 0
+    assert metrics["policy/approx_kl"] == pytest.approx(0.0, abs=1e-6) and metrics["policy/clip_frac"] == 0.0
 
 
 def test_variant_choices_come_from_the_registry():

@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from envace import config as cfgmod
-from envace.accounting import WorldExecutions, task_data_executions
+from envace.accounting import WorldExecutions
 from envace.algorithms.losses import Row, sequence_logprobs
 from envace.backends.scripted import ScriptedGenerator, sequence_reply
 from envace.config import ConfigError, field
@@ -141,7 +141,6 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
     model, tokenizer = load_trainable(cfg.model, cfg.lora_r, cfg.lora_alpha, accelerator.device, tiny=cfg.tiny,
                                       activation_checkpointing=cfg.activation_checkpointing)
     data, dropped, executions = reference_trajectories(tasks, tokenizer, WorldEnvironment(), cfg.max_total_tokens)
-    executions.task_data = task_data_executions(cfg.tasks)
     if not data:
         raise ConfigError("no reference trajectory verified: the tasks' reference_calls do not solve them")
     rows = sft_rows(data, TRAIN_ROLES[cfg.train_roles])
@@ -152,7 +151,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
     step = 0
     if resume_from is not None:
         step = load_checkpoint(resume_from, {"policy": accelerator.unwrap_model(model)}, {"policy": optimizer}, {"policy": scheduler}).step
-    manifest = with_executions(build_manifest(tasks, None, sft_dropped=dropped), executions)
+    manifest = with_executions(build_manifest(tasks, None, sft_dropped=dropped), None, cfg.tasks, executions)
     logger = None
     if main:
         cfgmod.save(cfg, out / "config.yaml")
@@ -185,7 +184,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
     # Every world execution that made the data, as the RL variants count theirs (0 when every
     # task carries a recorded reference, apart from what recording the task file took).
     result = {"run_dir": str(out), "final_model": str(final), "examples": len(rows), "dropped": dropped, "steps": total_steps,
-              "world_executions": executions.as_dict()}
+              "world_executions": manifest["world_executions"]}
     if main:
         logger.close()
         export = accelerator.unwrap_model(model)

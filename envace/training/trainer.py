@@ -29,8 +29,8 @@ from envace import config as cfgmod
 from envace.algorithms import ADVANTAGES, group_metrics
 from envace.algorithms.losses import build_rows, forwarded_tokens, pack_shared_prefixes, ppo_loss, recompute_old_logprobs, sequence_logprobs
 from envace.config import ConfigError, field
-from envace.accounting import WorldExecutions, task_data_executions
-from envace.manifest import build_manifest, inherited_executions, with_executions, write_manifest
+from envace.accounting import WorldExecutions
+from envace.manifest import build_manifest, chain_executions, with_executions, write_manifest
 from envace.metrics import summarize_records, trajectory_record
 from envace.backends.open import check_models, open_generator
 from envace.rewards import Context, compute_rewards, judge_missing, reward_names, runs_world
@@ -42,8 +42,8 @@ from envace.types import Task, Trajectory
 
 def train_rollout() -> RolloutConfig:
     """Training's rollout defaults: shorter than evaluation's, so that a CPU step stays short.
-    Sampling is pinned to temperature 1, top_p 1 whatever RolloutConfig's defaults say, the only
-    setting where the PPO ratio is exact (see TrainConfig._validate_sampling)."""
+    Sampling at temperature 1 over the full vocabulary whatever RolloutConfig's defaults say;
+    another temperature is allowed, a nucleus cut is not (see TrainConfig._validate_sampling)."""
     return RolloutConfig(max_turns=6, max_turn_tokens=128, max_rehearse_tokens=96, max_total_tokens=2048, temperature=1.0, top_p=1.0)
 
 
@@ -146,12 +146,20 @@ class TrainConfig(TrainingOptions):
         check_models(self.judge)
 
     def _validate_sampling(self) -> None:
-        # The backend records, and the update recomputes, log-probabilities of the untempered,
-        # unfiltered distribution: with any other sampling the PPO ratio would compare the
-        # update's policy with a distribution that did not draw the tokens.
-        if self.rollout.temperature != 1.0 or self.rollout.top_p != 1.0:
-            raise ConfigError(f"training samples at temperature 1 and top_p 1 (got temperature={self.rollout.temperature}, top_p={self.rollout.top_p}): "
-                              "the logprobs of the PPO ratio are those of the untempered full distribution, so it is only exact there")
+        # The PPO ratio compares the updated policy with the distribution that drew the tokens:
+        # softmax(logits / T) over the full vocabulary, which the HF sampler records and the
+        # update recomputes at the same T. A nucleus cut would change that distribution, greedy
+        # decoding would give every rollout of a group the same output (no advantage), and the
+        # other engines report T = 1 logprobs only.
+        t, top_p = self.rollout.temperature, self.rollout.top_p
+        if top_p != 1.0:
+            raise ConfigError(f"training samples over the full vocabulary (top_p 1, got top_p={top_p}): the PPO ratio's logprobs "
+                              "are those of softmax(logits / temperature) without a nucleus cut; lower --temperature instead")
+        if t <= 0:
+            raise ConfigError(f"training needs temperature > 0 (got {t}): greedy rollouts of a group are identical, so GRPO has no advantage to learn from")
+        if t != 1.0 and self.sampler != "hf":
+            raise ConfigError(f"--sampler {self.sampler} reports logprobs at temperature 1 only, so it trains at --temperature 1 (got {t}); "
+                              "use --sampler hf for tempered sampling")
 
 
 def load_train_tasks(cfg: TrainConfig) -> list[Task]:
@@ -396,16 +404,17 @@ class Trainer:
             return {"trained_tokens": float(total), "skipped_update": 1.0}
         tis_cap = None
         if self.numerics_differ:
-            rows = recompute_old_logprobs(model, rows, self.tokenizer.pad_token_id, cfg.micro_batch_tokens, cfg.share_prefix, self.accelerator.autocast)
+            rows = recompute_old_logprobs(model, rows, self.tokenizer.pad_token_id, cfg.micro_batch_tokens, cfg.share_prefix, self.accelerator.autocast,
+                                          temperature=cfg.rollout.temperature)
             tis_cap = cfg.tis_cap
         model.train()
 
         def loss_fn(batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
-            logprobs, entropy = sequence_logprobs(model, batch)
+            logprobs, entropy = sequence_logprobs(model, batch, temperature=cfg.rollout.temperature)
             ref = None
             if self.models.reference is not None:
                 with torch.no_grad():
-                    ref, _ = sequence_logprobs(self.models.reference, batch)
+                    ref, _ = sequence_logprobs(self.models.reference, batch, temperature=cfg.rollout.temperature)
             return ppo_loss(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, cfg.clip_eps, cfg.dual_clip, ref, cfg.kl_coef,
                             roles=batch.roles, entropy=entropy, num_tokens=float(denom), behaviour_logprobs=batch.behaviour_logprobs, tis_cap=tis_cap)
 
@@ -476,13 +485,13 @@ class Trainer:
             model = copy.deepcopy(model).merge_and_unload()
         model.save_pretrained(out)
         self.tokenizer.save_pretrained(out)
-        write_manifest(with_executions(self.manifest, self.chain_executions()), out)
+        write_manifest(with_executions(self.manifest, self.cfg.init_from, self.cfg.tasks, self.world_calls), out)
         return out
 
     def chain_executions(self) -> WorldExecutions:
         """Every world execution behind the final model: the warm start's chain (its manifest),
         recording the task file (its export sidecar), and this run's."""
-        return inherited_executions(self.cfg.init_from) + WorldExecutions(task_data=task_data_executions(self.cfg.tasks)) + self.world_calls
+        return chain_executions(self.cfg.init_from, self.cfg.tasks, self.world_calls)
 
     def fit(self) -> dict[str, Any]:
         main = self.accelerator.is_main_process
