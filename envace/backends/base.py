@@ -77,6 +77,14 @@ class GenStats:
     seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def counters(self) -> dict[str, float]:
+        """Every cumulative count, the engine's own extras included (weight syncs, prefix-cache
+        tokens), so that a caller can report what one stretch of work did by difference; a rate
+        (`*_rate`) is not a count and is left out."""
+        extras = {k: float(v) for k, v in self.extra.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and not k.endswith("_rate")}
+        return {"prefill_tokens": float(self.prefill_tokens), "generated_tokens": float(self.generated_tokens),
+                "calls": float(self.calls), "seconds": self.seconds, **extras}
+
 
 @dataclass(frozen=True)
 class PolicyWeights:

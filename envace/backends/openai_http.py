@@ -109,7 +109,8 @@ class OpenAIGenerator:
         start = time.perf_counter()
         prompts = [self._sessions[i] + list(new) for i, new in zip(sessions, new_tokens)]
         workers = max(1, min(self.max_concurrency, len(prompts)))
-        seeds = [None if self.seed is None else self.seed + self._requests + row for row in range(len(prompts))]
+        # The API's seed is a signed 64-bit integer (vLLM rejects more); the trainer's seeds are unsigned 64-bit.
+        seeds = [None if self.seed is None else (self.seed + self._requests + row) % 2**63 for row in range(len(prompts))]
         self._requests += len(prompts)
         with ThreadPoolExecutor(max_workers=workers) as pool:
             completions = list(pool.map(self._complete, prompts, per_session(params, len(prompts)), seeds))

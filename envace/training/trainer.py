@@ -71,8 +71,13 @@ class TrainConfig(TrainingOptions):
     dual_clip: float | None = field(3.0, help="dual-clip constant (> 1) for negative advantages (None = off)")
     kl_coef: float = field(0.0, help="KL to the frozen initial model (0 = off)")
     share_prefix: bool = field(True, help="forward each group's shared prompt once in the update (same gradients, fewer tokens)")
-    sampler: Literal["hf", "llamacpp"] = field("hf", help="rollout engine: hf (samples from the trained module itself) or llamacpp "
-                                               "(llama.cpp with the policy's weights pushed after every step; pip install -e '.[llamacpp]')")
+    sampler: Literal["hf", "llamacpp", "vllm"] = field("hf", help="rollout engine: hf (samples from the trained module itself), llamacpp "
+                                                       "(llama.cpp with the policy's weights pushed after every step; pip install -e '.[llamacpp]') "
+                                                       "or vllm (a running `vllm serve` at --vllm-url, weights pushed after every step; docs/scaling.md)")
+    vllm_url: str | None = field(None, help="--sampler vllm: the server's OpenAI base URL (http://HOST:PORT/v1), started as in docs/scaling.md "
+                                            "(VLLM_SERVER_DEV_MODE=1, --weight-transfer-config '{\"backend\": \"envace_file\"}')")
+    vllm_transfer_dir: str | None = field(None, help="--sampler vllm: where pushed weights are written for the server to read "
+                                                     "(default /dev/shm; a remote server needs a directory on a filesystem both hosts mount)")
     sampler_dtype: Literal["f32", "f16", "bf16", "q8_0"] = field("f32", help="weights of the llama.cpp sampler's copy (f32: numerics closest to the update's)")
     tis_cap: float = field(2.0, help="truncated importance weight cap for samples drawn with other numerics than the update's (bf16, llama.cpp)")
     samples_per_step: int = field(2, help="trajectories written to samples.jsonl per step")
@@ -135,8 +140,46 @@ class TrainConfig(TrainingOptions):
                 check_engine(self.model)  # the base model's GGUF is the template of the engine's weights
             except (ImportError, ValueError) as err:
                 raise ConfigError(f"--sampler llamacpp: {err}") from err
+        self._validate_vllm()
         if self.tis_cap < 1:
             raise ConfigError(f"tis_cap must be >= 1 (the importance weight min(exp(old - behaviour), cap) truncates above it), got {self.tis_cap}")
+
+    def _validate_vllm(self) -> None:
+        """--sampler vllm and --vllm-url go together, and the server must take pushed weights:
+        checked here, before any model loads (envace.backends.vllm.VLLMServerGenerator.check_server)."""
+        if self.sampler != "vllm":
+            if self.vllm_url or self.vllm_transfer_dir:
+                flag = "--vllm-url" if self.vllm_url else "--vllm-transfer-dir"
+                raise ConfigError(f"{flag} is read by --sampler vllm only; add --sampler vllm or drop {flag}")
+            return
+        from envace.backends.vllm import INSTALL_HINT, serve_command
+
+        if not self.vllm_url:
+            raise ConfigError(f"--sampler vllm needs --vllm-url http://HOST:PORT/v1 of a running server ({INSTALL_HINT}; "
+                              f"start it with `{serve_command()}`)")
+        if self.tiny:
+            raise ConfigError("--sampler vllm pushes the policy into a served copy of --model; a --tiny model has none: use --sampler hf")
+        if VARIANTS.get(self.variant).separate_rehearser:
+            raise ConfigError(f"--variant {self.variant} trains a separate rehearser, and one vLLM server holds one model's weights: use --sampler hf")
+        if self.vllm_transfer_dir and not Path(self.vllm_transfer_dir).is_dir():
+            raise ConfigError(f"--vllm-transfer-dir {self.vllm_transfer_dir} is not a directory")
+        self._check_vllm_server()
+
+    def _check_vllm_server(self) -> None:
+        from envace.backends.openai_http import BackendUnreachableError
+        from envace.backends.vllm import INSTALL_HINT, VLLMServerGenerator, WeightSyncError, serve_command
+        from envace.backends.models import ModelNotFoundError
+
+        probe = VLLMServerGenerator(self.vllm_url, tokenizer=None, transfer_dir=self.vllm_transfer_dir)
+        try:
+            probe.check_server(self.rollout.max_total_tokens)
+        except BackendUnreachableError as err:
+            raise ConfigError(f"--vllm-url {self.vllm_url}: no vLLM server there ({err}). {INSTALL_HINT}, then start the server "
+                              f"with `{serve_command(self.model)}` and pass --vllm-url http://127.0.0.1:8000/v1 (docs/scaling.md)") from err
+        except (ModelNotFoundError, WeightSyncError) as err:
+            raise ConfigError(f"--vllm-url {self.vllm_url}: {err}") from err
+        finally:
+            probe.shutdown()
 
     def _validate_reward(self) -> None:
         judge_missing(self.reward, self.judge)
@@ -245,6 +288,8 @@ class Trainer:
         self.accelerator = make_accelerator(cfg.precision)
         if cfg.tasks_per_step % self.accelerator.num_processes:
             raise ConfigError(f"tasks_per_step ({cfg.tasks_per_step}) must be a multiple of the number of processes ({self.accelerator.num_processes})")
+        if cfg.sampler == "vllm" and self.accelerator.num_processes > 1:
+            raise ConfigError("--sampler vllm drives one server from one trainer process; multi-process training with it is not implemented: use --sampler hf or llamacpp")
         self.dir = shared_run_dir(self.accelerator, cfg.output_dir, "train")
         resume_from = check_resume(self.dir, cfg, cfg.resume)
         seed_everything(cfg.seed)
@@ -338,10 +383,24 @@ class Trainer:
         cfg = self.cfg
         if cfg.sampler == "hf":
             return HFGenerator(module, self.tokenizer)
+        if cfg.sampler == "vllm":
+            return self._open_vllm(module)
         from envace.backends.llamacpp import LlamaCppGenerator
 
         return LlamaCppGenerator(module, self.tokenizer, cfg.model, dtype=cfg.sampler_dtype, max_sessions=cfg.tasks_per_step * cfg.k,
                                  n_ctx_per_session=cfg.rollout.max_total_tokens + 1, seed=cfg.seed)
+
+    def _open_vllm(self, module: Any) -> Any:
+        """The --vllm-url server, given this step's weights at once: it was started from the base
+        model's files, while the trainer may start from --init-from or a resumed checkpoint (and
+        a server whose model does not take these weights fails here, before any rollout)."""
+        from envace.backends.base import PolicyWeights
+        from envace.backends.vllm import VLLMServerGenerator
+
+        generator = VLLMServerGenerator(self.cfg.vllm_url, self.tokenizer, transfer_dir=self.cfg.vllm_transfer_dir)
+        generator.check_server(self.cfg.rollout.max_total_tokens)
+        generator.sync_weights(PolicyWeights(module, version=self.step))
+        return generator
 
     # ---- one step ---------------------------------------------------------------------
     def rollout(self, tasks: list[Task]) -> list[list[Trajectory]]:
@@ -380,7 +439,7 @@ class Trainer:
     @property
     def numerics_differ(self) -> bool:
         """Whether the sampler's logprobs come from other numerics than the update's (a bf16
-        update, a llama.cpp sampler): then the PPO ratio's old logprobs are recomputed by the
+        update, a llama.cpp or vLLM sampler): then the PPO ratio's old logprobs are recomputed by the
         update's own forward and the sampler's only weight the loss (truncated importance
         sampling, `tis_cap`), never standing in for the policy's."""
         return self.cfg.sampler != "hf" or self.accelerator.mixed_precision != "no"
@@ -453,8 +512,9 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         # Every process draws the same tasks and rolls out its own share of them.
         tasks = self.stream.take(self.cfg.tasks_per_step)[self.accelerator.process_index :: self.accelerator.num_processes]
+        before = {stream: generator.stats.counters() for stream, generator in self.generators.items()}
         groups, t_rollout = timed(lambda: self.rollout(tasks))
-        metrics = self.score(tasks, groups)
+        metrics = self.score(tasks, groups) | self._sampler_metrics(before)
         update, t_update = timed(lambda: self.update(groups))
         self.step += 1
         metrics |= update | {"time/rollout_s": t_rollout, "time/update_s": t_update, "time/rollout_share": t_rollout / max(t_rollout + t_update, 1e-9)}
@@ -465,6 +525,21 @@ class Trainer:
         if self.step % self.cfg.save_every == 0 or self.step == self.cfg.steps:
             self.save()
         return metrics
+
+    def _sampler_metrics(self, before: dict[str, dict[str, float]]) -> dict[str, float]:
+        """What each generator did this step, as `sampler/<stream>/<count>`: tokens, seconds and
+        generated tokens/s, and the engine's own counts (weight syncs and their seconds; vLLM's
+        prefix-cache tokens, with the step's hit rate)."""
+        out = {}
+        for stream, generator in self.generators.items():
+            then = before.get(stream, {})
+            step = {k: v - then.get(k, 0.0) for k, v in generator.stats.counters().items()}
+            if step["seconds"] > 0:
+                step["generated_tokens_per_s"] = step["generated_tokens"] / step["seconds"]
+            if step.get("prefix_cache_queries"):
+                step["prefix_cache_hit_rate"] = step["prefix_cache_hits"] / step["prefix_cache_queries"]
+            out |= {f"sampler/{stream}/{k}": v for k, v in step.items()}
+        return out
 
     def save(self) -> None:
         from envace.training.checkpoint import save_checkpoint
