@@ -361,6 +361,53 @@ def test_sequence_logprobs_at_a_temperature_are_those_of_the_scaled_logits():
     assert (tempered[:, 1:][valid] - plain[:, 1:][valid]).abs().max() > 1e-3  # far above the 1e-5 tolerance: T is applied
 
 
+def test_sequence_logprobs_of_a_softcapping_model_are_those_of_its_own_logits():
+    """Gemma-style final logit softcapping is applied once: the scores softcap the real logits,
+    and the model's own softcap of its head's output is off for the call, then back on."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Gemma2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=8, final_logit_softcapping=0.5, attn_logit_softcapping=None, sliding_window=64)
+    model = Gemma2ForCausalLM(config).eval()
+    batch = random_batch([9, 6], seed=1)
+    logprobs, _ = sequence_logprobs(model, batch, chunk_size=3)
+    expected, _ = reference_logprobs(model, batch)  # the model's forward softcaps its logits itself
+    valid = batch.attention_mask[:, 1:].bool()
+    torch.testing.assert_close(logprobs[:, 1:][valid], expected[valid])
+    assert model.config.final_logit_softcapping == 0.5 and type(model.lm_head) is torch.nn.Linear  # restored
+
+
+def test_sequence_logprobs_and_gradients_under_fsdp2_sharding_equal_one_unsharded_process(tmp_path):
+    """FSDP2 (torch's fully_shard, 2 CPU processes over gloo, each layer and the root sharded and
+    resharded after the forward, as accelerate's FSDP2 plugin does) reshards the LM head with the
+    root once the forward returns: the head must run inside the forward. Logprobs and full
+    gradients, plain and packed rows, tied and untied heads, equal one unsharded process's."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.fsdp_worker import CASES, loss_and_grads
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "fsdp.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", os.path.join(root, "tests", "fsdp_worker.py"), str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    sharded = torch.load(out)
+    for name, overrides in CASES.items():
+        model = tiny_model(**overrides)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        for packed in (False, True):
+            logprobs, grads = loss_and_grads(model, packed)
+            got_logprobs, got_grads = sharded[f"{name}/{'packed' if packed else 'plain'}"]
+            torch.testing.assert_close(got_logprobs, logprobs)
+            assert set(got_grads) == set(grads)
+            for key in grads:
+                torch.testing.assert_close(got_grads[key], grads[key], msg=f"{name} packed={packed}: {key}")
+
+
 def test_sequence_logprobs_through_peft():
     from peft import LoraConfig, get_peft_model
 

@@ -480,10 +480,13 @@ def sequence_logprobs(model: torch.nn.Module, batch: Batch, chunk_size: int = 51
 
     The [B, T, vocab] logits are the memory peak of RL on long transcripts, so the LM head runs
     over `chunk_size` positions at a time, and under autograd each chunk is checkpointed: only
-    one chunk's logits exist at once, forward or backward. The forward itself goes through
-    `model` as given, so a DDP/DeepSpeed wrapper sees it and synchronises the gradients; it
-    asks for the last position's logits only and the decoder's output is caught with a hook.
-    Works for HF causal LMs and PEFT wrappers of them (`get_decoder()`, `get_output_embeddings()`).
+    one chunk's logits exist at once, forward or backward. The forward goes through `model` as
+    given, and the scoring runs inside it: for the call the LM head is replaced by `_ScoringHead`,
+    which hands the decoder's hidden states to the real head chunk by chunk and returns the
+    scores as the model's "logits" ([B, T, 2]). So a wrapper sees the head's every use within its
+    forward and its output: DDP synchronises its gradients, and FSDP2 (which reshards the root's
+    parameters, the head's among them, after the forward) and ZeRO-3 have them gathered then.
+    Works for HF causal LMs and PEFT wrappers of them (`get_output_embeddings()`).
 
     A batch with `packed` inputs (packed groups) is forwarded in ONE model call over the packed
     rows, with explicit position ids and the model's attention switched to
@@ -496,22 +499,59 @@ def sequence_logprobs(model: torch.nn.Module, batch: Batch, chunk_size: int = 51
     from accelerate.utils import extract_model_from_parallel
 
     inner = extract_model_from_parallel(model)
-    packed = batch.packed
-    caught: list[torch.Tensor] = []
-    hook = inner.get_decoder().register_forward_hook(lambda _m, _args, out: caught.append(out[0] if isinstance(out, tuple) else out.last_hidden_state))
-    try:
-        if packed is None:
-            model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=1, use_cache=False)
-        else:
-            with _prefix_grouped(inner):
-                model(input_ids=packed.input_ids, position_ids=packed.position_ids, packed_layout=packed.layout, logits_to_keep=1, use_cache=False)
-    finally:
-        hook.remove()
-    head = inner.get_output_embeddings()
     softcap = getattr(inner.config, "final_logit_softcapping", None)  # Gemma-style models
-    if packed is not None:
-        return _packed_logprobs(head, softcap, caught[0], packed, chunk_size, temperature)
-    hidden, targets = caught[0][:, :-1], batch.input_ids[:, 1:]
+    packed = batch.packed
+    if packed is None:
+        targets = batch.input_ids[:, 1:]
+        score = lambda head, hidden: _row_logprobs(head, softcap, hidden[:, :-1], targets, chunk_size, temperature)  # noqa: E731
+        with _scoring_head(inner, score):
+            out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=0, use_cache=False)
+    else:
+        score = lambda head, hidden: _packed_logprobs(head, softcap, hidden, packed, chunk_size, temperature)  # noqa: E731
+        with _prefix_grouped(inner), _scoring_head(inner, score):
+            out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, packed_layout=packed.layout, logits_to_keep=0, use_cache=False)
+    return out.logits[..., 0], out.logits[..., 1]
+
+
+class _ScoringHead(torch.nn.Module):
+    """The LM head's stand-in for one `sequence_logprobs` forward: `score(head, hidden)` ->
+    (logprobs, entropies), returned stacked as [..., 2] where the model returns its logits. The
+    real head is held unregistered, so the module tree a wrapper manages is unchanged."""
+
+    def __init__(self, head: torch.nn.Module, score: Callable[[torch.nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]):
+        super().__init__()
+        object.__setattr__(self, "_head", head)
+        self._score = score
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.stack(self._score(self._head, hidden), dim=-1)
+
+
+@contextlib.contextmanager
+def _scoring_head(model: torch.nn.Module, score: Callable) -> Iterator[None]:
+    """`model` with its LM head replaced by a `_ScoringHead` for the duration. A softcapping
+    model (Gemma) would softcap the head's output in its forward: the scores apply the softcap to
+    the real logits themselves, so the model's is off meanwhile."""
+    head = model.get_output_embeddings()
+    name = next(n for n, m in model.named_modules() if m is head)
+    parent = model.get_submodule(name.rpartition(".")[0])
+    attr = name.rpartition(".")[2]
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    setattr(parent, attr, _ScoringHead(head, score))
+    if softcap is not None:
+        model.config.final_logit_softcapping = None
+    try:
+        yield
+    finally:
+        setattr(parent, attr, head)
+        if softcap is not None:
+            model.config.final_logit_softcapping = softcap
+
+
+def _row_logprobs(head: torch.nn.Module, softcap: float | None, hidden: torch.Tensor, targets: torch.Tensor,
+                  chunk_size: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Score each row's tokens from the hidden state before them, chunk_size positions at a time
+    (checkpointed under autograd); [B, T] with 0 at position 0, which nothing predicts."""
     logps, entropies = [], []
     for start in range(0, hidden.shape[1], chunk_size):
         args = (head, softcap, hidden[:, start : start + chunk_size], targets[:, start : start + chunk_size], temperature)
