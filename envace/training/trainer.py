@@ -527,9 +527,10 @@ class Trainer:
         return metrics
 
     def _sampler_metrics(self, before: dict[str, dict[str, float]]) -> dict[str, float]:
-        """What each generator did this step, as `sampler/<stream>/<count>`: tokens, seconds and
-        generated tokens/s, and the engine's own counts (weight syncs and their seconds; vLLM's
-        prefix-cache tokens, with the step's hit rate)."""
+        """What each generator did this step, as `sampler/<stream>/<count>`: tokens, calls, the
+        engine's own counts (weight syncs; vLLM's prefix-cache tokens, with the step's hit rate);
+        what the clock measured (seconds, generated tokens/s, sync seconds) goes under
+        `time/sampler/<stream>/`, with the step's other timings, since it differs between runs."""
         out = {}
         for stream, generator in self.generators.items():
             then = before.get(stream, {})
@@ -538,7 +539,7 @@ class Trainer:
                 step["generated_tokens_per_s"] = step["generated_tokens"] / step["seconds"]
             if step.get("prefix_cache_queries"):
                 step["prefix_cache_hit_rate"] = step["prefix_cache_hits"] / step["prefix_cache_queries"]
-            out |= {f"sampler/{stream}/{k}": v for k, v in step.items()}
+            out |= {f"{'time/' if _clocked(k) else ''}sampler/{stream}/{k}": v for k, v in step.items()}
         return out
 
     def save(self) -> None:
@@ -608,6 +609,10 @@ def reward_component_means(groups: list[list[Trajectory]]) -> dict[str, float]:
     trajs = [t for g in groups for t in g]
     names = sorted({name for t in trajs for name in t.reward_components})
     return {f"reward/{name}": sum(t.reward_components[name] for t in trajs) / len(trajs) for name in names}
+
+
+def _clocked(count: str) -> bool:
+    return count == "seconds" or count.endswith(("_seconds", "_per_s"))
 
 
 def is_count(metric: str) -> bool:
