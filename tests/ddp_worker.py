@@ -1,8 +1,10 @@
 """Runs under `python -m torch.distributed.run --nproc_per_node N tests/ddp_worker.py KIND TASKS OUT`
 (tests/test_training.py): SFT or GRPO on the tiny model, as `accelerate launch` would run it on
-N GPUs, here with N CPU processes (gloo). GRPO prints each rank's parameter checksum."""
+N GPUs, here with N CPU processes (gloo), replicated (DDP) or sharded (FSDP2). GRPO prints each
+rank's parameter checksum."""
 
 import sys
+from pathlib import Path
 
 import torch
 
@@ -17,20 +19,24 @@ def varied(task, traj, ctx):
     return float(sum(traj.token_ids) % 2), {}
 
 
-def main(kind: str, tasks: str, out: str) -> None:
+def main(kind: str, tasks: str, out: str, sharding: str = "none", steps: str = "2", lora_r: str = "0") -> None:
+    """`sharding` (none = DDP, fsdp2); `steps` and `lora_r` apply to GRPO, where a run directory
+    that holds checkpoints is resumed. GRPO also prints how many parameter elements this rank holds."""
     if kind == "sft":
         # fp32: the test compares weights at 1e-4, and bf16 rounding depends on how rows split into micro-batches.
-        run_sft(build(SFTConfig, dict(tiny=True, tasks=tasks, epochs=2, rows_per_step=4, lr=3e-3, precision="fp32", output_dir=out,
+        run_sft(build(SFTConfig, dict(tiny=True, tasks=tasks, epochs=2, rows_per_step=4, lr=3e-3, precision="fp32", output_dir=out, sharding=sharding,
                                       progress=False, tensorboard=False)))
         return
-    cfg = build(TrainConfig, dict(tiny=True, tasks=tasks, steps=2, tasks_per_step=2, k=4, max_turns=2, max_turn_tokens=12, max_rehearse_tokens=8,
+    resume = Path(out, "checkpoints").is_dir()
+    cfg = build(TrainConfig, dict(tiny=True, tasks=tasks, steps=int(steps), sharding=sharding, lora_r=int(lora_r), resume=resume, tasks_per_step=2, k=4, max_turns=2, max_turn_tokens=12, max_rehearse_tokens=8,
                                   max_total_tokens=400, reward="tests.ddp_worker:varied", progress=False, tensorboard=False, lr=1e-3, output_dir=out))
     trainer = Trainer(cfg)
     trainer.fit()
-    model = trainer.accelerator.unwrap_model(trainer.models.policy)
+    model = trainer._full_models()["policy"]  # the gathered copy when sharded
     with torch.no_grad():
         checksum = float(sum(p.double().sum() for p in model.parameters()))
-    print(f"rank {trainer.accelerator.process_index} checksum {checksum!r}", flush=True)
+    held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in trainer.models.policy.parameters())
+    print(f"rank {trainer.accelerator.process_index} checksum {checksum!r} held {held} of {sum(p.numel() for p in model.parameters())}", flush=True)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ def train_step(model, opt, sched) -> None:
 
 
 def save(run_dir, step, model, opt=None, sched=None, **kw):
-    return save_checkpoint(run_dir, step, {"policy": model}, {"policy": opt} if opt else None,
+    return save_checkpoint(run_dir, step, {"policy": model}, {"policy": opt.state_dict()} if opt else None,
                            {"policy": sched} if sched else None, **kw)
 
 

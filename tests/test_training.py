@@ -239,26 +239,75 @@ def distributed(nproc: int, *args: str, timeout: int = 600) -> str:
 
 @pytest.mark.slow
 def test_two_process_sft_reaches_the_weights_of_one_process(tmp_path, task_file):
-    """Under DDP each process trains on its share of a step's rows and the token mean is over
-    all of them: the weights equal a single-process run's."""
+    """Under DDP, and sharded under FSDP2, each process trains on its share of a step's rows and
+    the token mean is over all of them: the weights equal a single-process run's."""
     from safetensors.torch import load_file
 
     distributed(2, "sft", task_file, str(tmp_path / "two"))
+    distributed(2, "sft", task_file, str(tmp_path / "sharded"), "fsdp2")
     distributed(1, "sft", task_file, str(tmp_path / "one"))
-    two, one = (load_file(tmp_path / d / "final" / "model.safetensors") for d in ("two", "one"))
+    two, sharded, one = (load_file(tmp_path / d / "final" / "model.safetensors") for d in ("two", "sharded", "one"))
     assert max(float((two[k] - one[k]).abs().max()) for k in one) < 1e-4
+    assert sharded.keys() == one.keys() and max(float((sharded[k] - one[k]).abs().max()) for k in one) < 1e-4
     steps = [json.loads(line)["step"] for line in open(tmp_path / "two" / "metrics.jsonl")]
     assert steps == [1, 2]  # one logger (the main process), not one per process
 
 
 @pytest.mark.slow
 def test_two_process_grpo_updates_and_keeps_replicas_identical(tmp_path, task_file):
-    out = distributed(2, "grpo", task_file, str(tmp_path / "grpo"))
-    checksums = dict(line.split()[1::2] for line in out.splitlines() if line.startswith("rank "))
-    assert set(checksums) == {"0", "1"} and checksums["0"] == checksums["1"]
+    ranks = rank_lines(distributed(2, "grpo", task_file, str(tmp_path / "grpo")))
+    assert set(ranks) == {"0", "1"} and ranks["0"][0] == ranks["1"][0]  # same checksum
     metrics = [json.loads(line) for line in open(tmp_path / "grpo" / "metrics.jsonl")]
     assert [m["step"] for m in metrics] == [1, 2] and all(m["policy/skipped_update"] == 0.0 for m in metrics)
     assert (tmp_path / "grpo" / "final" / "model.safetensors").is_file()
+
+
+def rank_lines(out: str) -> dict[str, list[str]]:
+    """ddp_worker's `rank R checksum C held H of T` lines, by rank: [C, H, T]."""
+    return {line.split()[1]: line.split()[3::2] for line in out.splitlines() if line.startswith("rank ")}
+
+
+def final_weights(run) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(run / "final" / "model.safetensors")
+
+
+@pytest.mark.slow
+def test_fsdp2_grpo_shards_the_model_and_reaches_the_weights_of_ddp_through_a_resume(tmp_path, task_file):
+    """--sharding fsdp2 on 2 processes: each holds half the parameters, samples from a gathered
+    full copy, and updates as DDP does; its checkpoints (gathered weights, optimizer state in
+    one piece) resume. So 1 sharded step, then a resumed 2nd, lands on 2 DDP steps' weights."""
+    ddp = rank_lines(distributed(2, "grpo", task_file, str(tmp_path / "ddp"), "none", "2"))
+    distributed(2, "grpo", task_file, str(tmp_path / "sharded"), "fsdp2", "1")
+    sharded = rank_lines(distributed(2, "grpo", task_file, str(tmp_path / "sharded"), "fsdp2", "2"))  # resumes from step 1
+    (_, held, total), (_, ddp_held, _) = sharded["0"], ddp["0"]
+    assert int(held) * 2 == int(total) == int(ddp_held)  # even split of the tiny model's parameters
+    assert sharded["0"][0] == sharded["1"][0]  # both processes' full copies agree
+    a, b = final_weights(tmp_path / "sharded"), final_weights(tmp_path / "ddp")
+    assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in b) < 1e-5
+    steps = [json.loads(line) for line in open(tmp_path / "sharded" / "metrics.jsonl")]
+    assert [m["step"] for m in steps] == [1, 2] and all(m["policy/skipped_update"] == 0.0 for m in steps)
+
+
+@pytest.mark.slow
+def test_fsdp2_lora_grpo_reaches_the_weights_of_ddp_lora(tmp_path, task_file):
+    """LoRA under FSDP2 (frozen base and trained adapters in one sharded unit): the exported,
+    merged model equals DDP's; the checkpoints hold the adapter only, as unsharded LoRA runs do."""
+    distributed(2, "grpo", task_file, str(tmp_path / "ddp"), "none", "2", "4")
+    distributed(2, "grpo", task_file, str(tmp_path / "sharded"), "fsdp2", "2", "4")
+    a, b = final_weights(tmp_path / "sharded"), final_weights(tmp_path / "ddp")
+    assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in b) < 1e-5
+    saved = tmp_path / "sharded" / "checkpoints" / "step-00000002" / "model-policy"
+    assert (saved / "adapter_model.safetensors").is_file() and not (saved / "model.safetensors").exists()
+
+
+def test_fsdp2_in_one_process_is_refused_before_any_model_loads(tmp_path, task_file, monkeypatch):
+    import envace.training.trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "load_trainable", lambda *a, **k: pytest.fail("a model loaded"))
+    with pytest.raises(ConfigError, match="--sharding fsdp2 splits the model over the processes.*torchrun"):
+        Trainer(build(TrainConfig, dict(SMALL, tasks=task_file, output_dir=str(tmp_path / "run"), sharding="fsdp2")))
 
 
 @pytest.mark.parametrize("variant,extra", [("real-grpo", {}), ("simulator", {}), ("no-share", {"rehearse_layout": "isolated"}), ("act-only", {})])

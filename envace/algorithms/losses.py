@@ -583,7 +583,7 @@ def _packed_logprobs(head: torch.nn.Module, softcap: float | None, hidden: torch
 
 def recompute_old_logprobs(model: torch.nn.Module, rows: Sequence[Row], pad_id: int, max_tokens: int = 4096,
                            share_prefix: bool = False, autocast: Callable[[], ContextManager] | None = None,
-                           temperature: float = 1.0) -> list[Row]:
+                           temperature: float = 1.0, lockstep: Callable[[int], int] | None = None) -> list[Row]:
     """The rows with `old_logprobs` recomputed by the trainer's model (one no-grad forward) and
     the sampler's logprobs kept as `behaviour_logprobs`: call it before the update when a rollout
     engine with other numerics sampled (then pass `tis_cap` to `ppo_loss`).
@@ -592,10 +592,10 @@ def recompute_old_logprobs(model: torch.nn.Module, rows: Sequence[Row], pad_id: 
     `behaviour_logprobs` = those (unless the row already had behaviour logprobs, which are kept,
     so calling it again only refreshes `old_logprobs`), and `old_logprobs` = the trainer's at the
     trained positions (loss_mask > 0; elsewhere unchanged). Micro-batched like the update
-    (`max_tokens`, `share_prefix`), under `autocast` (e.g. `accelerator.autocast`) and at the
-    rollout's `temperature` so that the numerics are the update's; the model runs unwrapped (no
-    DDP hooks) and in eval mode, then back in its previous mode. Returns new rows, in the order
-    given."""
+    (`max_tokens`, `share_prefix`, `lockstep` as in `lockstep_micro_batches`), under `autocast`
+    (e.g. `accelerator.autocast`) and at the rollout's `temperature` so that the numerics are the
+    update's; the model runs unwrapped (no DDP hooks) and in eval mode, then back in its previous
+    mode. Returns new rows, in the order given."""
     from accelerate.utils import extract_model_from_parallel
 
     inner = extract_model_from_parallel(model)
@@ -606,7 +606,7 @@ def recompute_old_logprobs(model: torch.nn.Module, rows: Sequence[Row], pad_id: 
     try:
         units = pack_shared_prefixes(rows) if share_prefix else list(rows)
         with torch.no_grad():
-            for chunk in budget_micro_batches(units, max_tokens):
+            for chunk in lockstep_micro_batches(units, max_tokens, pad_id, lockstep):
                 batch = collate(chunk, pad_id).to(device)
                 with (autocast or contextlib.nullcontext)():
                     logprobs, _ = sequence_logprobs(inner, batch, temperature=temperature)
@@ -641,6 +641,19 @@ def budget_micro_batches(units: Sequence[Unit], max_tokens: int) -> Iterator[lis
         batch.append(unit)
     if batch:
         yield batch
+
+
+def lockstep_micro_batches(units: Sequence[Unit], max_tokens: int, pad_id: int,
+                           lockstep: Callable[[int], int] | None = None) -> list[list[Unit]]:
+    """`budget_micro_batches`, never empty (a process with no rows gets one padding micro-batch,
+    so it still joins the gradient all-reduce), and with `lockstep` as many as `lockstep(n)`
+    (the largest count over the processes, for a sharded model whose every forward is a
+    collective). A padding micro-batch is one two-token row that trains nothing: zero loss mask,
+    zero advantage."""
+    chunks = list(budget_micro_batches(units, max_tokens))
+    count = max(1, lockstep(len(chunks)) if lockstep else len(chunks))
+    padding = [Row([pad_id, pad_id], [0, 0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0])]
+    return chunks + [padding] * (count - len(chunks))
 
 
 def _k3(log_ratio: torch.Tensor) -> torch.Tensor:

@@ -89,7 +89,7 @@ def save_checkpoint(
     run_dir: str | Path,
     step: int,
     models: Mapping[str, torch.nn.Module],
-    optimizers: Mapping[str, torch.optim.Optimizer] | None = None,
+    optimizer_states: Mapping[str, dict[str, Any]] | None = None,
     schedulers: Mapping[str, Any] | None = None,
     data_state: dict[str, Any] | None = None,
     config: dict[str, Any] | None = None,
@@ -97,7 +97,10 @@ def save_checkpoint(
 ) -> Path:
     """Write checkpoint `step` atomically and delete all but the newest `keep_last`.
 
-    `data_state` (e.g. {"epoch": 1, "index": 128}) and `config` must be JSON-serialisable.
+    `optimizer_states` are the optimizers' `state_dict()`s, taken by the caller: for a sharded
+    model that is a collective every process runs (`FullOptimizerState`), while only the main
+    process calls this. `data_state` (e.g. {"epoch": 1, "index": 128}) and `config` must be
+    JSON-serialisable.
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
@@ -112,8 +115,8 @@ def save_checkpoint(
     tmp.mkdir()
     for name, model in models.items():
         model.save_pretrained(tmp / f"model-{name}")
-    for name, opt in (optimizers or {}).items():
-        torch.save(opt.state_dict(), tmp / f"optimizer-{name}.pt")
+    for name, opt_state in (optimizer_states or {}).items():
+        torch.save(opt_state, tmp / f"optimizer-{name}.pt")
     for name, sched in (schedulers or {}).items():
         torch.save(sched.state_dict(), tmp / f"scheduler-{name}.pt")
     torch.save(_rng_state(), tmp / "rng.pt")

@@ -28,8 +28,9 @@ from envace.manifest import build_manifest, with_executions, write_manifest
 from envace.references import expert_replies
 from envace.rewards import Context, compute_rewards
 from envace.rollout import RolloutConfig, RolloutEngine
-from envace.training.setup import (TrainingOptions, backward_micro_batches, check_resume, load_trainable, make_accelerator, make_optimizer,
-                                   global_sum, make_scheduler, seed_everything, shared_run_dir)
+from envace.training.setup import (TrainingOptions, backward_micro_batches, check_resume, check_sharding, load_trainable, make_accelerator,
+                                   global_sum, prepare_trainable, seed_everything, shared_run_dir)
+from envace.training.sharding import checkpointed_optimizer, clip_grad_norm
 from envace.transcript import compact_json
 from envace.types import CallStatus, EndReason, Role, Task, Trajectory
 
@@ -134,6 +135,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
 
     tasks = load_tasks(cfg.tasks) if cfg.tasks else builtin_tasks("train", cfg.n_per_world, worlds=cfg.worlds or None, difficulty=cfg.difficulty, seed=cfg.seed)
     accelerator = make_accelerator(cfg.precision)
+    check_sharding(accelerator, cfg.sharding)
     main = accelerator.is_main_process
     out = shared_run_dir(accelerator, cfg.output_dir, "sft")
     resume_from = check_resume(out, cfg, cfg.resume)
@@ -146,11 +148,14 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
     rows = sft_rows(data, TRAIN_ROLES[cfg.train_roles])
     steps_per_epoch = -(-len(rows) // cfg.rows_per_step)
     total_steps = steps_per_epoch * cfg.epochs
-    model, optimizer = accelerator.prepare(model, make_optimizer(model, cfg))
-    scheduler = make_scheduler(optimizer, cfg, total_steps)
+    model, optimizer, scheduler, copy = prepare_trainable(accelerator, model, cfg, total_steps)
+    # The whole weights, as checkpoints save them: the model (DDP unwrapped) or, sharded, its full copy.
+    full = copy.module if copy is not None else accelerator.unwrap_model(model)
     step = 0
     if resume_from is not None:
-        step = load_checkpoint(resume_from, {"policy": accelerator.unwrap_model(model)}, {"policy": optimizer}, {"policy": scheduler}).step
+        step = load_checkpoint(resume_from, {"policy": full}, {"policy": checkpointed_optimizer(model, optimizer)}, {"policy": scheduler}).step
+        if copy is not None:
+            copy.load_into(model)
     manifest = with_executions(build_manifest(tasks, None, sft_dropped=dropped), None, cfg.tasks, executions)
     logger = None
     if main:
@@ -167,7 +172,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
         # Every process draws the same rows and trains on its own share of them.
         share = chunk[accelerator.process_index :: accelerator.num_processes]
         loss = nll_step(model, share, tokenizer.pad_token_id, cfg.micro_batch_tokens, accelerator)
-        grad_norm = accelerator.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.grad_clip)
+        grad_norm = clip_grad_norm([p for p in model.parameters() if p.requires_grad], cfg.grad_clip)
         optimizer.step()
         scheduler.step()
         step += 1
@@ -176,8 +181,12 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
         bar.update(1)
         bar.set_postfix(loss=round(loss, 4))
         if step % cfg.save_every == 0 or step == total_steps:
+            # Every process gathers (sharded weights and optimizer state); the main one writes.
+            if copy is not None:
+                copy.refresh(model, step)
+            optimizer_state = checkpointed_optimizer(model, optimizer).state_dict()
             if main:
-                save_checkpoint(out, step, {"policy": accelerator.unwrap_model(model)}, {"policy": optimizer}, {"policy": scheduler}, data_state={"epoch": epoch}, config=cfgmod.to_dict(cfg), keep_last=cfg.keep_last)
+                save_checkpoint(out, step, {"policy": full}, {"policy": optimizer_state}, {"policy": scheduler}, data_state={"epoch": epoch}, config=cfgmod.to_dict(cfg), keep_last=cfg.keep_last)
             accelerator.wait_for_everyone()
     bar.close()
     final = out / "final"
@@ -187,8 +196,8 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
               "world_executions": manifest["world_executions"]}
     if main:
         logger.close()
-        export = accelerator.unwrap_model(model)
-        export = export.merge_and_unload() if hasattr(export, "merge_and_unload") else export
+        # The last step saved a checkpoint, so a sharded run's full copy holds the final weights.
+        export = full.merge_and_unload() if hasattr(full, "merge_and_unload") else full
         export.save_pretrained(final)
         tokenizer.save_pretrained(final)
         write_manifest(manifest, final)

@@ -17,7 +17,7 @@ import json
 import random
 import re
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field as dataclass_field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -35,9 +35,10 @@ from envace.metrics import summarize_records, trajectory_record
 from envace.backends.open import check_models, open_generator
 from envace.rewards import Context, compute_rewards, judge_missing, reward_names, runs_world
 from envace.rollout import RolloutConfig, RolloutEngine
+from envace.training.sharding import UnshardedCopy, checkpointed_optimizer, clip_grad_norm, lockstep_count
 from envace.training.variants import VARIANTS, variants_help
-from envace.training.setup import (TrainingOptions, backward_micro_batches, check_resume, load_trainable, make_accelerator, make_optimizer,
-                                   global_sum, make_scheduler, seed_everything, shared_run_dir, timed)
+from envace.training.setup import (TrainingOptions, backward_micro_batches, check_resume, check_sharding, load_trainable, make_accelerator,
+                                   global_sum, prepare_trainable, seed_everything, shared_run_dir, timed)
 from envace.types import Task, Trajectory
 
 def train_rollout() -> RolloutConfig:
@@ -267,6 +268,8 @@ class Models:
     schedulers: dict[str, Any]
     simulator: Any = None  # frozen, for a variant whose simulator model answers tool calls
     reference: Any = None  # frozen initial policy, for the KL term
+    # --sharding fsdp2: each trained model's full copy, which rollouts sample from and checkpoints save.
+    unsharded: dict[str, UnshardedCopy] = dataclass_field(default_factory=dict)
 
     @property
     def policy(self) -> Any:
@@ -288,6 +291,7 @@ class Trainer:
         self.accelerator = make_accelerator(cfg.precision)
         if cfg.tasks_per_step % self.accelerator.num_processes:
             raise ConfigError(f"tasks_per_step ({cfg.tasks_per_step}) must be a multiple of the number of processes ({self.accelerator.num_processes})")
+        check_sharding(self.accelerator, cfg.sharding)
         if cfg.sampler == "vllm" and self.accelerator.num_processes > 1:
             raise ConfigError("--sampler vllm drives one server from one trainer process; multi-process training with it is not implemented: use --sampler hf or llamacpp")
         self.dir = shared_run_dir(self.accelerator, cfg.output_dir, "train")
@@ -326,33 +330,51 @@ class Trainer:
         cfg = self.cfg
         models = Models({}, {}, {})
         for name in self.variant.trained_roles:
-            (models.trained[name], models.optimizers[name], models.schedulers[name]), tok = self._trainable(cfg.init_from or cfg.model)
+            (models.trained[name], models.optimizers[name], models.schedulers[name]), tok, copy = self._trainable(cfg.init_from or cfg.model)
+            if copy is not None:
+                models.unsharded[name] = copy
         if self.variant.needs_simulator_model:
             models.simulator, _ = self._load(cfg.simulator_model or cfg.model, trainable=False)
         if cfg.kl_coef > 0:
             models.reference, _ = self._load(cfg.init_from or cfg.model, trainable=False)
         return models, tok
 
-    def _trainable(self, spec: str) -> tuple[tuple[Any, Any, Any], Any]:
-        """((model, optimizer, scheduler), tokenizer). Model and optimizer go through
-        accelerate (DDP under `accelerate launch`); the scheduler does not, so it steps once
-        per training step whatever the number of processes."""
+    def _trainable(self, spec: str) -> tuple[tuple[Any, Any, Any], Any, UnshardedCopy | None]:
+        """((model, optimizer, scheduler), tokenizer, the model's full copy if sharded)."""
         model, tok = self._load(spec)
-        model, optimizer = self.accelerator.prepare(model, make_optimizer(model, self.cfg))
-        # Under bf16, prepare wraps the module's forward in autocast; the rollout samples from that
-        # module, and bf16 decode is slower than fp32 on a CPU at batch 8-32 (measured). The update
-        # autocasts on its own (backward_micro_batches, recompute_old_logprobs), so sampling
-        # stays fp32 and only the update runs in bf16.
-        self.accelerator.unwrap_model(model, keep_fp32_wrapper=False)
-        return (model, optimizer, make_scheduler(optimizer, self.cfg, self.cfg.steps)), tok
+        model, optimizer, scheduler, copy = prepare_trainable(self.accelerator, model, self.cfg, self.cfg.steps)
+        if copy is None:
+            # Under bf16, prepare wraps the module's forward in autocast; the rollout samples from that
+            # module, and bf16 decode is slower than fp32 on a CPU at batch 8-32 (measured). The update
+            # autocasts on its own (backward_micro_batches, recompute_old_logprobs), so sampling
+            # stays fp32 and only the update runs in bf16.
+            self.accelerator.unwrap_model(model, keep_fp32_wrapper=False)
+        return (model, optimizer, scheduler), tok, copy
 
-    def _unwrapped(self) -> dict[str, Any]:
-        return {k: self.accelerator.unwrap_model(m) for k, m in self.models.trained.items()}
+    def _full_models(self) -> dict[str, Any]:
+        """Each trained model with its whole weights, as checkpoints and rollouts use them: the
+        module itself (DDP unwrapped) or, sharded, its full copy (current once `_gather` ran)."""
+        return {k: self.models.unsharded[k].module if k in self.models.unsharded else self.accelerator.unwrap_model(m)
+                for k, m in self.models.trained.items()}
+
+    def _gather(self) -> None:
+        """Sharded: bring every full copy to this step's weights (a collective: every process
+        calls it at the same points, before a rollout and before a save)."""
+        for name, copy in self.models.unsharded.items():
+            if copy.version != self.step:
+                copy.refresh(self.models.trained[name], self.step)
+
+    def _optimizer_states(self) -> dict[str, Any]:
+        """What checkpoints save and restore per optimizer (`checkpointed_optimizer`)."""
+        return {k: checkpointed_optimizer(self.models.trained[k], o) for k, o in self.models.optimizers.items()}
 
     def _resume(self, path: Path) -> None:
         from envace.training.checkpoint import load_checkpoint
 
-        state = load_checkpoint(path, self._unwrapped(), self.models.optimizers, self.models.schedulers)
+        state = load_checkpoint(path, self._full_models(), self._optimizer_states(), self.models.schedulers)
+        for name, copy in self.models.unsharded.items():
+            copy.load_into(self.models.trained[name])
+            copy.version = state.step
         self.step = state.step
         self.stream = TaskStream(self.tasks, self.cfg.seed, **state.data_state["stream"])
         # Checkpoints from before the purposes were split hold the rollout count only.
@@ -365,8 +387,9 @@ class Trainer:
         from envace.backends.base import PolicyWeights
         from envace.backends.hf import HFGenerator
 
-        module = self.accelerator.unwrap_model(model)
-        trained = any(model is m for m in self.models.trained.values())
+        name = next((k for k, m in self.models.trained.items() if m is model), None)
+        trained = name is not None
+        module = self._full_models()[name] if trained else model
         generator = self.generators.get(stream)
         if generator is None:
             generator = self.generators[stream] = self._open_sampler(module) if trained else HFGenerator(module, self.tokenizer)
@@ -411,6 +434,7 @@ class Trainer:
         groups: list[list[Trajectory]] = []
         for model in self.models.trained.values():
             model.eval()
+        self._gather()
         for part, mode in batches:
             if not part:
                 continue
@@ -464,7 +488,7 @@ class Trainer:
         tis_cap = None
         if self.numerics_differ:
             rows = recompute_old_logprobs(model, rows, self.tokenizer.pad_token_id, cfg.micro_batch_tokens, cfg.share_prefix, self.accelerator.autocast,
-                                          temperature=cfg.rollout.temperature)
+                                          temperature=cfg.rollout.temperature, lockstep=lockstep_count if name in self.models.unsharded else None)
             tis_cap = cfg.tis_cap
         model.train()
 
@@ -481,7 +505,7 @@ class Trainer:
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + (v if k == "loss" or k.startswith("tokens") else v * m[_token_key(k)])
         sums = {k: v if k == "loss" or k.startswith("tokens") else v / max(sums[_token_key(k)], 1.0) for k, v in sums.items()}
-        grad_norm = self.accelerator.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.grad_clip)
+        grad_norm = clip_grad_norm([p for p in model.parameters() if p.requires_grad], cfg.grad_clip)
         optimizer.step()
         scheduler.step()
         forwarded = forwarded_tokens(pack_shared_prefixes(rows) if cfg.share_prefix else rows)
@@ -545,8 +569,11 @@ class Trainer:
     def save(self) -> None:
         from envace.training.checkpoint import save_checkpoint
 
+        self._gather()
+        # Every process gathers (sharded optimizer states are collectives); the main one writes.
+        optimizer_states = {k: o.state_dict() for k, o in self._optimizer_states().items()}
         if self.accelerator.is_main_process:
-            save_checkpoint(self.dir, self.step, self._unwrapped(), self.models.optimizers, self.models.schedulers,
+            save_checkpoint(self.dir, self.step, self._full_models(), optimizer_states, self.models.schedulers,
                             data_state={"stream": self.stream.state(), "world_executions": self.world_calls.as_dict()},
                             config=cfgmod.to_dict(self.cfg), keep_last=self.cfg.keep_last)
         self.accelerator.wait_for_everyone()
@@ -554,7 +581,7 @@ class Trainer:
     def export(self) -> Path:
         """The final policy as a loadable model directory (`final/`), merged if LoRA."""
         out = self.dir / "final"
-        model = self.accelerator.unwrap_model(self.models.policy)
+        model = self._full_models()["policy"]
         if hasattr(model, "merge_and_unload"):
             import copy
 
@@ -578,6 +605,7 @@ class Trainer:
             bar.update(1)
             bar.set_postfix({k: round(last[k], 3) for k in ("success_rate", "reward/mean") if k in last})
         bar.close()
+        self._gather()  # sharded: the export below writes the full copy, on the main process only
         result = {"run_dir": str(self.dir), "final_model": str(self.dir / "final"), "plots": [], "last_metrics": last,
                   "world_executions": self.world_calls.as_dict(), "chain_world_executions": self.chain_executions().as_dict()}
         if main:
