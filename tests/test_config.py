@@ -143,6 +143,13 @@ def test_presets_load_every_value_into_the_train_config(preset):
     assert {k: loaded[k] for k in values} == values  # no preset value is dropped or misrouted
 
 
+def test_the_two_node_launch_config_is_what_accelerate_reads_as_16_gpu_processes():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    launch = load_config_from_file(str(Path(__file__).parent.parent / "configs" / "accelerate" / "2x8-gpus.yaml"))
+    assert (launch.num_machines, launch.num_processes, launch.distributed_type.value) == (2, 16, "MULTI_GPU")
+
+
 def test_train_and_eval_keep_their_own_rollout_defaults():
     from envace.evaluation.runner import EvalConfig
     from envace.training.trainer import TrainConfig
