@@ -83,6 +83,12 @@ def test_sync_with_a_session_open_is_refused_before_any_transfer(tokenizer):
     assert not generator.transfer_dir.exists()
 
 
+def test_a_new_server_generator_knows_no_weights_version(tokenizer):
+    """-1 until the first push, so the trainer's sync (whenever the version is not the step's)
+    pushes before the first rollout, also at step 0 from --init-from weights."""
+    assert VLLMServerGenerator("http://127.0.0.1:9/v1", tokenizer, model="m").weights_version == -1
+
+
 def test_tied_weights_are_written_once(tmp_path, tokenizer):
     from safetensors import safe_open
 
@@ -259,3 +265,6 @@ def test_train_with_the_vllm_sampler_end_to_end(server, tmp_path):
     assert len(metrics) == 2
     assert all(0 < m["policy/logprob_mismatch"] < 0.01 for m in metrics)  # fp32 server vs the fp32 update: float noise only
     assert httpx.get(url[: -len("/v1")] + "/weight_info").json()["weight_version"] == "1"  # pushed after update 1
+    # One push per step through the trainer's one sync path: the first (version -1 -> 0) before
+    # step 1's rollout, the second after its update.
+    assert [m["sampler/policy-rehearse/syncs"] for m in metrics] == [1, 1]

@@ -155,7 +155,7 @@ class Generator(Protocol):
 
     tokenizer: Any
     stats: GenStats
-    weights_version: int  # PolicyWeights.version last synced (0 = the weights it was built with)
+    weights_version: int  # PolicyWeights.version last synced (0 = the weights it was built with; -1 = unknown until the first sync)
 
     def open(self, n: int) -> list[int]: ...
 

@@ -89,6 +89,9 @@ class VLLMServerGenerator(OpenAIGenerator):
         self.transfer_dir = Path(tempfile.mkdtemp(prefix="envace-vllm-", dir=transfer_dir or _default_transfer_root()))
         self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.transfer_dir), True)
         self._transfer_ready = False
+        # The server was started from model files, which need not be the trainer's weights (an
+        # --init-from checkpoint, a resumed run): no version is known, so the first sync pushes.
+        self.weights_version = -1
 
     def shutdown(self) -> None:
         """Remove the transfer directory (also done at garbage collection); the server keeps running."""

@@ -407,22 +407,21 @@ class Trainer:
         if cfg.sampler == "hf":
             return HFGenerator(module, self.tokenizer)
         if cfg.sampler == "vllm":
-            return self._open_vllm(module)
+            return self._open_vllm()
         from envace.backends.llamacpp import LlamaCppGenerator
 
         return LlamaCppGenerator(module, self.tokenizer, cfg.model, dtype=cfg.sampler_dtype, max_sessions=cfg.tasks_per_step * cfg.k,
                                  n_ctx_per_session=cfg.rollout.max_total_tokens + 1, seed=cfg.seed)
 
-    def _open_vllm(self, module: Any) -> Any:
-        """The --vllm-url server, given this step's weights at once: it was started from the base
-        model's files, while the trainer may start from --init-from or a resumed checkpoint (and
-        a server whose model does not take these weights fails here, before any rollout)."""
-        from envace.backends.base import PolicyWeights
+    def _open_vllm(self) -> Any:
+        """The --vllm-url server, checked. Its weights version is unknown (-1: it was started from
+        model files, while the trainer may start from --init-from or a resumed checkpoint), so
+        `_generator` pushes this step's weights before any rollout; a server whose model does not
+        take them fails there."""
         from envace.backends.vllm import VLLMServerGenerator
 
         generator = VLLMServerGenerator(self.cfg.vllm_url, self.tokenizer, transfer_dir=self.cfg.vllm_transfer_dir)
         generator.check_server(self.cfg.rollout.max_total_tokens)
-        generator.sync_weights(PolicyWeights(module, version=self.step))
         return generator
 
     # ---- one step ---------------------------------------------------------------------
