@@ -133,7 +133,25 @@ def table(results: dict, args: argparse.Namespace) -> str:
         lines.append(f"| {name} | {pooled_success(summary, set(TRAIN_WORLDS))} | {pooled_success(summary, set(HELDOUT_WORLDS))} "
                      f"| {o['success_rate']:.2f} [{o['success_ci95'][0]:.2f}, {o['success_ci95'][1]:.2f}] (n={o['n']}) | {o.get('tool_f1', 0):.2f} "
                      f"| {fidelity} | {cols} | {f'{wall / 60:.1f} min' if wall else '-'} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + paired(Path(args.out))) + "\n"
+
+
+def paired(out: Path) -> list[str]:
+    """Each trained row minus the warm start, task by task on the same real test tasks (paired
+    bootstrap of the per-task differences), where both were evaluated."""
+    from envace.demo import compare
+
+    warm = out / "sft" / "eval-real"
+    rows = [name for name in ROWS if (out / name / "eval-real" / "records.jsonl").is_file()]
+    if not (warm / "records.jsonl").is_file() or not rows:
+        return []
+    lines = ["", "Paired against the SFT warm start (per-task differences on the same tasks, bootstrap 95% CI):", "",
+             "| row | success difference [95% CI] | better / worse | partial credit difference [95% CI] | better / worse |", "|---|---|---|---|---|"]
+    for name in rows:
+        c = compare(warm, out / name / "eval-real")
+        cells = [f"{c[k]['mean_diff']:+.2f} [{c[k]['ci95'][0]:+.2f}, {c[k]['ci95'][1]:+.2f}] | {c[k]['better']} / {c[k]['worse']}" for k in ("success", "partial_credit")]
+        lines.append(f"| {name} - sft | {cells[0]} | {cells[1]} |")
+    return lines
 
 
 if __name__ == "__main__":
