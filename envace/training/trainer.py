@@ -163,13 +163,17 @@ class TrainConfig(TrainingOptions):
         if not self.vllm_url:
             raise ConfigError(f"--sampler vllm needs --vllm-url http://HOST:PORT/v1 of a running server ({INSTALL_HINT}; "
                               f"start it with `{serve_command()}`)")
+        self._check_vllm_engine("a served copy")
+        self._check_vllm_server()
+
+    def _check_vllm_engine(self, engine: str) -> None:
+        """What both vLLM samplers need: --model's own files, one trained model, a transfer directory that exists."""
         if self.tiny:
-            raise ConfigError("--sampler vllm pushes the policy into a served copy of --model; a --tiny model has none: use --sampler hf")
+            raise ConfigError(f"--sampler {self.sampler} pushes the policy into {engine} of --model; a --tiny model has none: use --sampler hf")
         if VARIANTS.get(self.variant).separate_rehearser:
-            raise ConfigError(f"--variant {self.variant} trains a separate rehearser, and one vLLM server holds one model's weights: use --sampler hf")
+            raise ConfigError(f"--variant {self.variant} trains a separate rehearser, and {engine} of vLLM holds one model's weights: use --sampler hf")
         if self.vllm_transfer_dir and not Path(self.vllm_transfer_dir).is_dir():
             raise ConfigError(f"--vllm-transfer-dir {self.vllm_transfer_dir} is not a directory")
-        self._check_vllm_server()
 
     def _validate_vllm_colocated(self) -> None:
         """--sampler vllm-colocated: vLLM's engine in this process (envace.backends.vllm.VLLMColocatedGenerator),
@@ -182,12 +186,7 @@ class TrainConfig(TrainingOptions):
         if self.vllm_url:
             raise ConfigError("--vllm-url is read by --sampler vllm (a running server); --sampler vllm-colocated starts its own engine "
                               "in the trainer's process: drop --vllm-url, or use --sampler vllm")
-        if self.tiny:
-            raise ConfigError("--sampler vllm-colocated loads --model's own files into vLLM; a --tiny model has none: use --sampler hf")
-        if VARIANTS.get(self.variant).separate_rehearser:
-            raise ConfigError(f"--variant {self.variant} trains a separate rehearser, and the colocated vLLM engine holds one model's weights: use --sampler hf")
-        if self.vllm_transfer_dir and not Path(self.vllm_transfer_dir).is_dir():
-            raise ConfigError(f"--vllm-transfer-dir {self.vllm_transfer_dir} is not a directory")
+        self._check_vllm_engine("the colocated engine")
         if importlib.util.find_spec("vllm") is None:
             raise ConfigError(f"--sampler vllm-colocated runs vLLM inside the trainer, but vllm is not importable from {sys.executable}: {COLOCATED_HINT}")
 
