@@ -585,10 +585,10 @@ class Trainer:
         groups, t_rollout = timed(lambda: self.rollout(tasks))
         metrics = self.score(tasks, groups) | self._sampler_metrics(before)
         for generator in self._colocated():
-            generator.sleep()  # the update gets the device (vLLM's sleep mode; a no-op on CPU)
+            # The update gets the device (vLLM's sleep mode; a no-op on CPU); the engine wakes
+            # itself at the next weight sync or generation.
+            generator.sleep()
         update, t_update = timed(lambda: self.update(groups))
-        for generator in self._colocated():
-            generator.wake_up()  # before the next step's sync and rollout
         self.step += 1
         metrics |= update | {"time/rollout_s": t_rollout, "time/update_s": t_update, "time/rollout_share": t_rollout / max(t_rollout + t_update, 1e-9)}
         metrics = self._global_metrics(metrics)
