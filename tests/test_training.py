@@ -263,8 +263,9 @@ def test_two_process_grpo_updates_and_keeps_replicas_identical(tmp_path, task_fi
 
 
 def rank_lines(out: str) -> dict[str, list[str]]:
-    """ddp_worker's `rank R checksum C held H of T` lines, by rank: [C, H, T]."""
-    return {line.split()[1]: line.split()[3::2] for line in out.splitlines() if line.startswith("rank ")}
+    """ddp_worker's `rank R checksum C held H of T` reports, by rank: [C, H, T]. Found anywhere in
+    the output: both processes write to one pipe, so a report may follow the other's unfinished line."""
+    return {rank: list(rest) for rank, *rest in re.findall(r"rank (\d+) checksum (\S+) held (\d+) of (\d+)", out)}
 
 
 def final_weights(run) -> dict:
