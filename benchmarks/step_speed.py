@@ -8,14 +8,18 @@ everything measured side by side in ONE run (so the ratios hold on a noisy, shar
 Sections (each one a function below; figures are for the default model, SmolLM2-135M):
   machine   fp32 and bf16 matmul GFLOP/s measured now (2048^3), and from them the model's
             matmul-bound token rate: GFLOP/s / (2 x matmul parameters) tokens/s;
-  decode    batch-1 and batch-32 decode tok/s after a real ~700-token tool prompt: envace's HF
-            backend, envace's llama.cpp backend (f32 weights pushed from the trainer's model), and
-            llama.cpp on the model's own Q4_1 GGUF (what a user would otherwise run);
-  prefill   tokens/s encoding 8 different prompts;
+  decode    batch-1, 8 and 32 decode tok/s after a real tool prompt: envace's HF backend through
+            transformers' forward (the reference), through the lean path in fp32 and in bf16
+            (envace/backends/lean.py; bf16 is the default sampler here), and llama.cpp on the model's
+            own Q4_1 GGUF (what a user would otherwise run);
+  prefill   tokens/s encoding 8 different prompts, transformers' forward and the lean bf16 path;
   update    forward+backward of the PPO loss on K=4 rollouts of 2 tasks: fp32 vs bf16 autocast,
             separate rows vs shared-prefix packing; forwarded tokens and effective GFLOP/s;
-  step      `envace train`'s step with today's settings vs the old ones (HF sampler, fp32, no
-            packing), same seeds, same tasks; greedy actions of both engines on 10 fixed tasks.
+  step      `envace train`'s step with today's settings vs the old ones (transformers' forward,
+            fp32, no packing) and the previous ones (transformers' forward sampling, bf16 packed
+            update), same seeds, same tasks;
+  greedy    greedy real-mode actions on 10 fixed tasks: lean fp32 and lean bf16 against
+            transformers' forward (identical, or the bf16 logprob mismatch reported).
 Writes benchmarks/results/step_speed.json and prints the Markdown table of docs/performance.md.
 """
 
@@ -92,17 +96,21 @@ def decode_rate(generator: Any, prompt: list[int], batch: int, new_tokens: int) 
     return {"tok_per_s": batch * new_tokens / decode_s, "prefill_s": prefill_s, "decode_s": decode_s}
 
 
+HF_ENGINES: dict[str, dict[str, Any]] = {
+    "envace HF, transformers' forward, fp32 (before)": dict(lean=False),
+    "envace HF, lean path, fp32": {},
+    "envace HF, lean path, bf16 (default here)": dict(dtype=torch.bfloat16),
+}
+
+
 def decode(model: Any, tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
     prompt = tool_prompt(tokenizer)
-    engines: dict[str, Callable[[], Any]] = {"envace HF": lambda: HFGenerator(model, tokenizer)}
+    engines: dict[str, Callable[[], Any]] = {name: (lambda kw=kw: HFGenerator(model, tokenizer, **kw)) for name, kw in HF_ENGINES.items()}
     if llamacpp_available():
         from envace.backends.llamacpp import LlamaCppGenerator
 
-        def engine(**kw: Any) -> Any:
-            return LlamaCppGenerator(model, tokenizer, args.model, max_sessions=32, n_ctx_per_session=len(prompt) + args.new_tokens + 8, **kw)
-
-        engines["envace llama.cpp f32 (trainer's weights)"] = lambda: engine(dtype="f32")
-        engines["llama.cpp on the shipped Q4_1 GGUF"] = lambda: engine(serve_template=True)
+        engines["llama.cpp on the shipped Q4_1 GGUF"] = lambda: LlamaCppGenerator(
+            model, tokenizer, args.model, max_sessions=32, n_ctx_per_session=len(prompt) + args.new_tokens + 8, serve_template=True)
     else:
         print("llama.cpp rows skipped: pip install -e '.[llamacpp]'")
     out: dict[str, Any] = {"prompt_tokens": len(prompt), "new_tokens": args.new_tokens}
@@ -117,18 +125,21 @@ def decode(model: Any, tokenizer: Any, args: argparse.Namespace) -> dict[str, An
     return out
 
 
-def prefill(model: Any, tokenizer: Any, args: argparse.Namespace) -> dict[str, float]:
+def prefill(model: Any, tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
     base = tool_prompt(tokenizer)
     prompts = [[tokenizer.eos_token_id] * i + base for i in range(8)]  # different prompts: nothing shared
-    generator = HFGenerator(model, tokenizer)
+    out: dict[str, Any] = {"tokens": sum(map(len, prompts))}
+    for name in (next(iter(HF_ENGINES)), "envace HF, lean path, bf16 (default here)"):
+        generator = HFGenerator(model, tokenizer, **HF_ENGINES[name])
 
-    def call() -> None:
-        sessions = generator.open(len(prompts))
-        generator.generate(sessions, prompts, SamplingParams(max_new_tokens=1, temperature=0.0))
-        generator.close(sessions)
+        def call() -> None:
+            sessions = generator.open(len(prompts))
+            generator.generate(sessions, prompts, SamplingParams(max_new_tokens=1, temperature=0.0))
+            generator.close(sessions)
 
-    seconds = best_of(2, call)
-    return {"tokens": sum(map(len, prompts)), "tok_per_s": sum(map(len, prompts)) / seconds}
+        out[name] = {"tok_per_s": out["tokens"] / best_of(2, call)}
+        print(f"prefill {name}: {out[name]['tok_per_s']:.0f} tok/s", flush=True)
+    return out
 
 
 def update_rows(tokenizer: Any, k: int) -> list[Any]:
@@ -185,19 +196,26 @@ def update(model: Any, tokenizer: Any, limits: dict[str, float], args: argparse.
     return out
 
 
+# "lean": False runs the sampler through transformers' forward, as envace did before the lean path.
 STEP_SETTINGS = {
-    "before (HF sampler, fp32, one row per rollout)": dict(sampler="hf", precision="fp32", share_prefix=False),
-    "now (HF sampler, auto precision, shared prefix)": dict(sampler="hf", precision="auto", share_prefix=True),
-    "now + llama.cpp f32 sampler": dict(sampler="llamacpp", precision="auto", share_prefix=True),
+    "before (transformers' forward sampling, fp32 update, one row per rollout)": dict(precision="fp32", share_prefix=False, sampler_dtype="f32", lean=False),
+    "previous (transformers' forward sampling, bf16 update, shared prefix)": dict(precision="auto", share_prefix=True, sampler_dtype="f32", lean=False),
+    "now (lean bf16 sampler, bf16 update, shared prefix: the defaults)": dict(precision="auto", share_prefix=True),
 }
 
 
 def step_child(settings: dict[str, Any]) -> None:
     """One GRPO step of the demo's settings in this (fresh) process; prints its metrics as JSON
     with the process's peak RSS."""
+    from envace.backends import hf
     from envace.config import build
     from envace.training.trainer import TrainConfig, Trainer
 
+    settings = dict(settings)
+    if not settings.pop("lean", True):
+        hf.lean_support = lambda model: "off for this benchmark row"
+    if "sampler_dtype" in settings:
+        settings["rollout"] = dict(settings["rollout"], sampler_dtype=settings.pop("sampler_dtype"))
     cfg = build(TrainConfig, dict(settings, steps=1, progress=False, tensorboard=False, save_every=1))
     metrics = Trainer(cfg).train_step()
     metrics["peak_rss_gib"] = peak_rss_gib()
@@ -230,8 +248,6 @@ def step(args: argparse.Namespace) -> dict[str, Any]:
                 rollout=dict(max_turn_tokens=96, max_rehearse_tokens=128))
     out: dict[str, Any] = {}
     for name, settings in STEP_SETTINGS.items():
-        if settings["sampler"] == "llamacpp" and not llamacpp_available():
-            continue
         with tempfile.TemporaryDirectory() as run_dir:
             child = json.dumps(dict(demo, **settings, output_dir=run_dir))
             proc = subprocess.run([sys.executable, __file__, "--child-step", child], capture_output=True, text=True)
@@ -253,9 +269,9 @@ def llamacpp_available() -> bool:
 
 
 def same_greedy_actions(model: Any, tokenizer: Any) -> dict[str, Any]:
-    """Greedy real-mode rollouts of 10 fixed test tasks (2 per world, difficulty 1) by the HF
-    backend and the llama.cpp backend (f32 weights from the same model): identical ACT tokens?"""
-    from envace.backends.llamacpp import LlamaCppGenerator
+    """Greedy real-mode rollouts of 10 fixed test tasks (2 per world, difficulty 1), each engine of
+    HF_ENGINES on the same model: identical ACT tokens to transformers' forward? For the bf16 path
+    also the logprob mismatch of the tokens both chose, until the first difference."""
     from envace.envs.environment import WorldEnvironment
     from envace.envs.tasks import builtin_tasks
     from envace.rollout import RolloutConfig, RolloutEngine
@@ -263,15 +279,22 @@ def same_greedy_actions(model: Any, tokenizer: Any) -> dict[str, Any]:
 
     tasks = builtin_tasks("test", 2, difficulty=1)
     config = RolloutConfig(mode="real", temperature=0.0, max_turns=6, max_turn_tokens=96)
-    acts, seconds = {}, {}
-    for name, make in (("hf", lambda: HFGenerator(model, tokenizer)),
-                       ("llamacpp", lambda: LlamaCppGenerator(model, tokenizer, "default", dtype="f32", max_sessions=len(tasks)))):
+    acts, logprobs, out = {}, {}, {"tasks": len(tasks), "seconds": {}, "identical": {}, "logprob_mismatch": {}}
+    for name, kw in HF_ENGINES.items():
         start = time.perf_counter()
-        groups = RolloutEngine(make(), WorldEnvironment(), config).run(tasks, k=1)
-        seconds[name] = time.perf_counter() - start
+        groups = RolloutEngine(HFGenerator(model, tokenizer, **kw), WorldEnvironment(), config).run(tasks, k=1)
+        out["seconds"][name] = time.perf_counter() - start
         acts[name] = [[tok for turn in g[0].outputs(Role.ACT) for tok in turn.token_ids] for g in groups]
-    same = [a == b for a, b in zip(acts["hf"], acts["llamacpp"])]
-    return {"tasks": len(tasks), "identical": sum(same), "seconds": seconds}
+        logprobs[name] = [[lp for turn in g[0].outputs(Role.ACT) for lp in turn.logprobs] for g in groups]
+    reference = next(iter(HF_ENGINES))
+    for name in HF_ENGINES:
+        out["identical"][name] = sum(a == b for a, b in zip(acts[name], acts[reference]))
+        gaps = []
+        for a, b, la, lb in zip(acts[name], acts[reference], logprobs[name], logprobs[reference]):
+            common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            gaps += [abs(x - y) for x, y in zip(la[:common], lb[:common])]
+        out["logprob_mismatch"][name] = {"mean": sum(gaps) / max(1, len(gaps)), "max": max(gaps, default=0.0), "tokens": len(gaps)}
+    return out
 
 
 def table(r: dict[str, Any]) -> str:
@@ -283,17 +306,18 @@ def table(r: dict[str, Any]) -> str:
     if "decode" in r:
         d = r["decode"]
         lines += [f"Decode after a {d['prompt_tokens']}-token tool prompt, {d['new_tokens']} new tokens, greedy (aggregate tok/s):", "",
-                  "| engine | batch 1 | batch 8 | batch 32 | batch 32 / fp32 matmul bound |", "|---|---|---|---|---|"]
+                  "| engine | batch 1 | batch 8 | batch 32 | batch 32 / fp32 matmul bound | batch 32 / bf16 matmul bound |", "|---|---|---|---|---|---|"]
         for name, v in d.items():
             if isinstance(v, dict):
                 cells = [f"{v[b]['tok_per_s']:.1f}" if b in v else "" for b in ("batch1", "batch8", "batch32")]
-                bound = f"{v['batch32']['tok_per_s'] / m['token_limit_fp32']:.0%}" if "batch32" in v else ""
-                lines.append(f"| {name} | {' | '.join(cells)} | {bound} |")
+                bounds = [f"{v['batch32']['tok_per_s'] / m[f'token_limit_{p}']:.0%}" if "batch32" in v else "" for p in ("fp32", "bf16")]
+                lines.append(f"| {name} | {' | '.join(cells)} | {' | '.join(bounds)} |")
         lines.append("")
     if "prefill" in r:
         p = r["prefill"]
-        lines += [f"Prefill (envace HF, 8 different prompts, {p['tokens']} tokens): {p['tok_per_s']:.0f} tok/s = "
-                  f"{p['tok_per_s'] / m['token_limit_fp32']:.0%} of the fp32 matmul bound.", ""]
+        lines += [f"Prefill (8 different prompts, {p['tokens']} tokens): "
+                  + "; ".join(f"{name}: {v['tok_per_s']:.0f} tok/s = {v['tok_per_s'] / m['token_limit_fp32']:.0%} of the fp32 matmul bound, "
+                              f"{v['tok_per_s'] / m['token_limit_bf16']:.0%} of the bf16 one" for name, v in p.items() if isinstance(v, dict)) + ".", ""]
     if "update" in r:
         u = r["update"]
         lines += [f"Update (forward + backward of the PPO loss, {u['rows']} rows = 2 tasks x K, {u['trained_tokens']:.0f} trained tokens):", "",
@@ -314,7 +338,12 @@ def table(r: dict[str, Any]) -> str:
         lines.append("")
     if "greedy" in r:
         g = r["greedy"]
-        lines += [f"Greedy real-mode rollouts of {g['tasks']} fixed test tasks, HF vs llama.cpp f32: {g['identical']}/{g['tasks']} with identical actions.", ""]
+        lines += [f"Greedy real-mode rollouts of {g['tasks']} fixed test tasks against transformers' forward (fp32):", "",
+                  "| engine | tasks with identical actions | logprob mismatch on the common tokens (mean / max) | seconds |", "|---|---|---|---|"]
+        for name, same in g["identical"].items():
+            gap = g["logprob_mismatch"][name]
+            lines.append(f"| {name} | {same}/{g['tasks']} | {gap['mean']:.4f} / {gap['max']:.4f} | {g['seconds'][name]:.0f} |")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -357,7 +386,7 @@ def main() -> None:
         results["prefill"] = prefill(model, tokenizer, args)
     if "update" not in args.skip:
         results["update"] = update(model, tokenizer, results["machine"], args)
-    if "greedy" not in args.skip and llamacpp_available():
+    if "greedy" not in args.skip:
         results["greedy"] = same_greedy_actions(model, tokenizer)
     if "step" not in args.skip:
         results["step"] = step(args)

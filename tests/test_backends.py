@@ -28,6 +28,7 @@ from envace.backends import (
     tiny_model,
 )
 from envace.backends import hf, models
+from envace.backends.lean import LeanWeights, StaticBatch
 from envace.backends.server import CompletionService, RequestError, assistant_reply, make_server
 
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0)
@@ -94,15 +95,20 @@ def test_batched_equals_unbatched(tokenizer, prompts, arch, attn):
             assert diff < TOL
 
 
-def test_padded_batch_logits_match_single_forward(model, prompts):
-    """Rows with different past and chunk lengths (one with no past) get their unpadded logits."""
+@pytest.mark.parametrize("engine", ["transformers", "lean"])
+def test_padded_batch_logits_match_single_forward(model, prompts, engine):
+    """Rows with different past and chunk lengths (one with no past) get their unpadded logits,
+    from transformers' forward (`_Batch`) and from the lean path's preallocated cache (`StaticBatch`)."""
     rows = [(prompts[0][:-2], prompts[0][-2:-1]), ([], prompts[1]), (prompts[2][:-3], prompts[2][-3:])]
     with torch.no_grad():
         kvs = []
         for past, _ in rows:
             cache = model(torch.tensor([past]), use_cache=True).cache if past else None
             kvs.append([(layer.keys, layer.values) for layer in cache.layers] if cache else None)
-        logits = hf._Batch([chunk for _, chunk in rows], kvs, 0, torch.device("cpu")).forward(model)
+        chunks, cpu = [chunk for _, chunk in rows], torch.device("cpu")
+        batch = (hf._Batch(model, chunks, kvs, 0, cpu) if engine == "transformers"
+                 else StaticBatch(LeanWeights(model, torch.float32).current(), chunks, kvs, 0, cpu, max_new_tokens=4))
+        logits = batch.forward()
         for row, (past, chunk) in enumerate(rows):
             expected = model(torch.tensor([past + chunk])).logits[0, -1]
             assert (logits[row] - expected).abs().max() < TOL
@@ -240,14 +246,15 @@ def test_close_frees_cache(model, tokenizer, prompts):
     assert gen.cache_tokens() == 0 and not gen._sessions
 
 
-def test_failed_call_leaves_sessions_usable(model, tokenizer, prompts, monkeypatch):
+@pytest.mark.parametrize("lean", [False, True])
+def test_failed_call_leaves_sessions_usable(model, tokenizer, prompts, monkeypatch, lean):
     turns = three_turns(prompts, tokenizer)
-    _, expected, _ = run_turns(HFGenerator(model, tokenizer), turns)
-    gen = HFGenerator(model, tokenizer)
+    _, expected, _ = run_turns(HFGenerator(model, tokenizer, lean=lean), turns)
+    gen = HFGenerator(model, tokenizer, lean=lean)
     ids = gen.open(len(prompts))
     gen.generate(ids, turns[0], GREEDY)
     with monkeypatch.context() as m:
-        m.setattr(hf._Batch, "forward", lambda self, model: (_ for _ in ()).throw(RuntimeError("boom")))
+        m.setattr(StaticBatch if lean else hf._Batch, "forward", lambda self: (_ for _ in ()).throw(RuntimeError("boom")))
         with pytest.raises(RuntimeError, match="boom"):
             gen.generate(ids, turns[1], GREEDY)
     for turn in (1, 2):

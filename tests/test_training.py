@@ -534,10 +534,21 @@ def test_a_bf16_update_recomputes_the_old_logprobs_and_weights_the_samplers_by_t
     module = trainer.accelerator.unwrap_model(trainer.models.policy)
     assert "_original_forward" not in module.__dict__  # accelerate's autocast wrapper is off: the rollout samples in fp32
     bf16 = trainer.train_step()
-    fp32 = Trainer(build(TrainConfig, dict(SIGNAL, tasks=task_file, precision="fp32", output_dir=str(tmp_path / "fp32")))).train_step()
+    fp32 = Trainer(build(TrainConfig, dict(SIGNAL, tasks=task_file, precision="fp32", sampler_dtype="f32", output_dir=str(tmp_path / "fp32")))).train_step()
     assert bf16["policy/logprob_mismatch"] > 0 and bf16["policy/tis_weight"] > 0
     assert bf16["policy/approx_kl"] == pytest.approx(0.0, abs=1e-9)
     assert "policy/logprob_mismatch" not in fp32 and "policy/tis_weight" not in fp32
+
+
+def test_a_bf16_sampler_under_an_fp32_update_is_treated_as_another_policy(tmp_path, task_file):
+    """The lean bf16 sampler's logprobs are the bf16 model's: with an fp32 update they are
+    recomputed by the update (first ratio exactly 1) and only weight the loss, mismatch reported."""
+    trainer = Trainer(build(TrainConfig, dict(SIGNAL, tasks=task_file, precision="fp32", sampler_dtype="bf16", output_dir=str(tmp_path / "run"))))
+    assert trainer.numerics_differ
+    metrics = trainer.train_step()
+    assert trainer.generators["policy-rehearse"].dtype == torch.bfloat16 and trainer.generators["policy-rehearse"].lean is not None
+    assert metrics["policy/logprob_mismatch"] > 0 and metrics["policy/tis_weight"] > 0
+    assert metrics["policy/approx_kl"] == pytest.approx(0.0, abs=1e-9)
 
 
 # ---- the judge reward and weighted rewards in training (issue #12) ---------------------------
@@ -556,7 +567,7 @@ def test_a_weighted_judge_reward_trains_and_logs_each_component(tmp_path, tokeni
 
     judge = recording_judge(tokenizer, honest("1: PASS\n2: FAIL"))  # weight 3 of 4: 0.75 for every rollout
     opened = []
-    monkeypatch.setattr("envace.training.trainer.open_generator", lambda spec, seed: opened.append(spec) or judge)
+    monkeypatch.setattr("envace.training.trainer.open_generator", lambda spec, seed, **kw: opened.append(spec) or judge)
     path = tmp_path / "judged.jsonl"
     checklist = [{"item": "adds the number", "weight": 3.0}, {"item": "reports the value", "weight": 1.0}]
     tasks = [counter_task(n, checklist=checklist) for n in (1, 2)]

@@ -48,8 +48,8 @@ import torch
 from transformers import DynamicCache
 
 from envace.backends.base import Completion, GenStats, ParamsArg, PolicyWeights, SamplingParams, StaleSessionsError, check_call, per_session
+from envace.backends.lean import KV, LeanWeights, StaticBatch, lean_support
 
-KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [batch, kv_heads, seq, head_dim]
 
 # Extra tokens decoded beyond the longest stop string when checking stop strings, so a stop string
 # is still seen when a token or two in the window decodes to nothing (e.g. partial UTF-8 bytes).
@@ -97,9 +97,11 @@ def _cache_argument_of(model_class: type) -> str:
 
 
 class _Batch:
-    """The sessions of one call as one left-padded batch sharing a DynamicCache."""
+    """The sessions of one call as one left-padded batch sharing a DynamicCache, run by the
+    model's own forward (any architecture; `lean.StaticBatch` is the fast path for Llama-family ones)."""
 
-    def __init__(self, chunks: list[list[int]], kvs: list[KV | None], pad_id: int, device: torch.device):
+    def __init__(self, model: Any, chunks: list[list[int]], kvs: list[KV | None], pad_id: int, device: torch.device):
+        self.model = model
         past = [0 if kv is None else kv[0][0].shape[2] for kv in kvs]
         width_past, width_new = max(past), max(len(c) for c in chunks)
         self.mask = torch.zeros(len(chunks), width_past + width_new, dtype=torch.long, device=device)
@@ -110,11 +112,11 @@ class _Batch:
             self.input_ids[row, width_new - len(chunk):] = torch.tensor(chunk, device=device)
         self.cache = DynamicCache(ddp_cache_data=_left_pad(kvs, width_past)) if width_past else DynamicCache()
 
-    def forward(self, model: Any) -> torch.Tensor:
+    def forward(self) -> torch.Tensor:
         """Run the pending input; returns float32 next-token logits [batch, vocab]."""
         positions = (self.mask.cumsum(-1) - 1).clamp(min=0)[:, -self.input_ids.shape[1]:]
-        out = model(input_ids=self.input_ids, attention_mask=self.mask, position_ids=positions,
-                    **{_cache_argument(model): self.cache}, use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=self.input_ids, attention_mask=self.mask, position_ids=positions,
+                         **{_cache_argument(self.model): self.cache}, use_cache=True, logits_to_keep=1)
         self.cache = out.cache if "cache" in out else out.past_key_values
         return out.logits[:, -1].float()
 
@@ -188,7 +190,10 @@ def finish_reason(tokens: list[int], params: SamplingParams, tokenizer: Any) -> 
 class HFGenerator:
     """`Generator` over a local transformers causal LM (see the module docstring for the design)."""
 
-    def __init__(self, model: Any, tokenizer: Any, seed: int = 0, max_batch: int | None = None, share_prompts: bool = True):
+    def __init__(self, model: Any, tokenizer: Any, seed: int = 0, max_batch: int | None = None, share_prompts: bool = True,
+                 dtype: torch.dtype | None = None, lean: bool = True):
+        """`dtype`: the sampler's weights and KV cache (None = the model's own, exact); another
+        dtype needs the lean path. `lean=False` always runs transformers' forward (the reference)."""
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be >= 1 or None, got {max_batch}")
         self.model = model
@@ -203,6 +208,12 @@ class HFGenerator:
         self._sessions: dict[int, _Session] = {}
         self._next_id = 0
         self._check_full_attention()
+        unsupported = lean_support(model) if lean else "lean=False"
+        if unsupported and dtype not in (None, model.dtype):
+            raise ValueError(f"sampling in {dtype} needs the lean decode path, which does not cover this model ({unsupported}): "
+                             f"sample in the model's own dtype ({model.dtype})")
+        self.lean = None if unsupported else LeanWeights(model, dtype or model.dtype)
+        self.dtype = dtype or model.dtype
 
     def _check_full_attention(self) -> None:
         # Compacting a row's cache assumes every layer keeps every position; sliding-window or
@@ -235,6 +246,7 @@ class HFGenerator:
         if weights.model is not self.model:
             with torch.no_grad():
                 self.model.load_state_dict(weights.merged_state(), strict=True)
+        # The lean path's packed copy notices changed parameters by their version counters (lean.py).
         self.weights_version = weights.version
 
     def cache_tokens(self) -> int:
@@ -266,6 +278,12 @@ class HFGenerator:
         self.stats.seconds += time.perf_counter() - start
         return completions
 
+    def _batch(self, chunks: list[list[int]], kvs: list[KV | None], max_new_tokens: int) -> Any:
+        """One call's sessions as a batch: the lean path's preallocated cache where it covers the model."""
+        if self.lean is not None:
+            return StaticBatch(self.lean.current(), chunks, kvs, self.pad_id, self.device, max_new_tokens)
+        return _Batch(self.model, chunks, kvs, self.pad_id, self.device)
+
     def _share_prompts(self, states: list[_Session], chunks: list[list[int]]) -> list[list[int]]:
         """Sessions that start from the same prompt in one call (K rollouts of a task, N parallel
         rehearsals) encode it once: all but its last token are prefilled for one copy and the
@@ -280,8 +298,8 @@ class HFGenerator:
         shared = {key: rows for key, rows in by_prompt.items() if len(rows) > 1}
         if not shared:
             return chunks
-        prefix = _Batch([list(key[:-1]) for key in shared], [None] * len(shared), self.pad_id, self.device)
-        prefix.forward(self.model)
+        prefix = self._batch([list(key[:-1]) for key in shared], [None] * len(shared), max_new_tokens=0)
+        prefix.forward()
         self.stats.prefill_tokens += sum(len(key) - 1 for key in shared)
         chunks = list(chunks)
         for row, (key, rows) in enumerate(shared.items()):
@@ -294,10 +312,10 @@ class HFGenerator:
     def _generate_batch(self, states: list[_Session], new_tokens: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
         chunks = [s.tokens[s.cached:] + list(new) for s, new in zip(states, new_tokens)]
         chunks = self._share_prompts(states, chunks)
-        batch = _Batch(chunks, [s.kv for s in states], self.pad_id, self.device)
+        batch = self._batch(chunks, [s.kv for s in states], max(p.max_new_tokens for p in params))
         for s in states:
             s.kv = None  # the batch owns the cache now: never hold two copies
-        logits = batch.forward(self.model)
+        logits = batch.forward()
         self.stats.prefill_tokens += sum(len(c) for c in chunks)
 
         outputs: list[list[int]] = [[] for _ in states]
@@ -324,7 +342,7 @@ class HFGenerator:
                 tokens = tokens[keep]
                 active = [active[row] for row in keep]
             batch.feed(tokens)
-            logits = batch.forward(self.model)
+            logits = batch.forward()
             self.stats.extra["decode_tokens"] += len(active)
 
         for s, new, out in zip(states, new_tokens, outputs):

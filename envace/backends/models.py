@@ -99,6 +99,17 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def native_bf16() -> bool:
+    """Whether this machine computes bf16 matmuls natively (not emulated in fp32)."""
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:  # not Linux: assume emulation, where bf16 is slower than fp32
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def default_dtype(device: torch.device | str) -> torch.dtype:
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
@@ -297,10 +308,11 @@ def load_model(spec: str, device: torch.device | str | None = None, dtype: torch
 
 def tiny_model(tokenizer: Any, seed: int = 0, arch: str = "llama", **config_overrides: Any) -> Any:
     """A tiny randomly initialised causal LM (hidden 64, 2 layers, 4 heads, 2 kv heads) whose
-    vocabulary matches `tokenizer`; `arch` is "llama" or "qwen2". For unit tests."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    vocabulary matches `tokenizer`; `arch` is "llama", "qwen2" (q/k/v biases) or "qwen3" (per-head
+    q/k norms). For unit tests."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
     if arch not in classes:
         raise ValueError(f"tiny_model arch must be one of {sorted(classes)}, got {arch!r}")
     config_cls, model_cls = classes[arch]

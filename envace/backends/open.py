@@ -20,10 +20,11 @@ def check_models(*specs: str | None) -> None:
             check_model_spec(spec)
 
 
-def open_generator(spec: str, seed: int, tokenizer: str | None = None, api_model: str | None = None) -> Any:
-    """A local model or an OpenAI-compatible server (whose tokenizer must be given or be the default's)."""
+def open_generator(spec: str, seed: int, tokenizer: str | None = None, api_model: str | None = None, sampler_dtype: str = "auto") -> Any:
+    """A local model (sampling in `sampler_dtype`, `lean.decode_dtype`) or an OpenAI-compatible
+    server (whose tokenizer must be given or be the default's)."""
     from envace.backends import load_tokenizer, make_generator
 
     if is_url(spec):
         return make_generator(spec, tokenizer=load_tokenizer(tokenizer or "default"), model=api_model)
-    return make_generator(spec, seed=seed)
+    return make_generator(spec, seed=seed, sampler_dtype=sampler_dtype)

@@ -82,6 +82,8 @@ class EvalConfig:
             raise ConfigError("--mode simulator needs --simulator MODEL (the frozen simulator)" if self.simulator is None else
                               f"--simulator is read by --mode simulator only; drop it for --mode {self.rollout.mode}")
         judge_missing(self.reward_name, self.judge)
+        if self.rollout.sampler_dtype in ("f16", "q8_0"):
+            raise ConfigError(f"--sampler-dtype {self.rollout.sampler_dtype} is for train --sampler llamacpp; eval samples local models in auto, f32 or bf16")
         rewards = reward_names(self.reward_name)
         self._validate_benchmark()
         judged = [name for name in BENCHMARKS.names() if BENCHMARKS.get(name).uses_judge]
@@ -206,7 +208,7 @@ def evaluate_with_rehearsal(cfg: EvalConfig, policy: Any, env: Any, tasks: list[
 
     if cfg.k != 1:
         raise ConfigError("--rehearsal commits one execution per task: use --k 1")
-    rehearser = open_generator(cfg.rehearser, cfg.seed) if cfg.rehearser else None
+    rehearser = open_generator(cfg.rehearser, cfg.seed, sampler_dtype=cfg.rollout.sampler_dtype) if cfg.rehearser else None
     config = RehearsalConfig(mode=cfg.rehearsal, n=cfg.n, execution=cfg.rollout, memory_tokens=cfg.memory_tokens)
     groups, cost = run_with_rehearsal(policy, env, tasks, config, rehearser=rehearser, progress=cfg.progress, guard=guard)
     compute_rewards(cfg.reward_name, groups, tasks, ctx)
@@ -317,9 +319,9 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
     if not tasks:
         raise ConfigError("no tasks to evaluate (check --tasks / --worlds / --limit)")
     leaked = check_leakage(cfg.model, tasks, cfg.allow_train_overlap)
-    policy = open_generator(cfg.model, cfg.seed, cfg.tokenizer, cfg.api_model)
-    simulator = open_generator(cfg.simulator, cfg.seed) if cfg.simulator else None
-    judge = open_generator(cfg.judge, cfg.seed) if cfg.judge else None
+    policy = open_generator(cfg.model, cfg.seed, cfg.tokenizer, cfg.api_model, cfg.rollout.sampler_dtype)
+    simulator = open_generator(cfg.simulator, cfg.seed, sampler_dtype=cfg.rollout.sampler_dtype) if cfg.simulator else None
+    judge = open_generator(cfg.judge, cfg.seed, sampler_dtype=cfg.rollout.sampler_dtype) if cfg.judge else None
     out = cfgmod.run_dir(cfg.output_dir, "eval")
     cfgmod.save(cfg, out / "config.yaml")
     outcome = run_tasks(cfg, policy, WorldEnvironment(), tasks, simulator, judge)
@@ -499,9 +501,9 @@ def run_benchmark_eval(cfg: EvalConfig, policy: Any = None) -> dict[str, Any]:
     needs_user = _real_user_needed(cfg) and any(t.rules.simulated_user for t in tasks)
     # Entered first: an unreachable user-model URL fails before the policy loads.
     with user_model_endpoint(cfg) if needs_user else contextlib.nullcontext() as user:
-        policy = policy or open_generator(cfg.model, cfg.seed, cfg.tokenizer, cfg.api_model)
-        simulator = open_generator(cfg.simulator, cfg.seed) if cfg.simulator else None
-        judge = open_generator(cfg.judge, cfg.seed) if cfg.judge else None
+        policy = policy or open_generator(cfg.model, cfg.seed, cfg.tokenizer, cfg.api_model, cfg.rollout.sampler_dtype)
+        simulator = open_generator(cfg.simulator, cfg.seed, sampler_dtype=cfg.rollout.sampler_dtype) if cfg.simulator else None
+        judge = open_generator(cfg.judge, cfg.seed, sampler_dtype=cfg.rollout.sampler_dtype) if cfg.judge else None
         out = cfgmod.run_dir(cfg.output_dir, "bench")
         cfgmod.save(cfg, out / "config.yaml")
         summaries = {

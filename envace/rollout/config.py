@@ -31,6 +31,10 @@ class RolloutConfig:
         "end", help="after a malformed tool call/rehearsal (penalised either way): end the rollout, or show the error (ACT) or the broken response (REHEARSE) as the tool's answer and go on")
     # Each rollout in flight holds a world and a KV cache until it ends: this bounds memory.
     max_active: int | None = field(None, help="rollouts in flight at once; the next starts when one ends (0 or empty = all at once)")
+    sampler_dtype: Literal["auto", "f32", "bf16", "f16", "q8_0"] = field(
+        "auto", help="weights and KV cache a local model samples with: auto = bf16 where the CPU/GPU computes bf16 natively and the lean "
+                     "decode path covers the model (docs/performance.md), else the model's own; f32 = the model's own numerics; "
+                     "f16 and q8_0 only for train --sampler llamacpp (whose auto is f32)")
 
     def validate(self) -> None:
         for name in ("max_turns", "max_turn_tokens", "max_rehearse_tokens", "max_total_tokens"):

@@ -17,6 +17,7 @@ import yaml
 
 from envace import config as cfgmod
 from envace.config import ConfigError, field
+from envace.backends.models import native_bf16
 from envace.algorithms.losses import PackedRows, Row, budget_micro_batches, collate, lockstep_micro_batches, pack_shared_prefixes
 
 
@@ -70,17 +71,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def native_bf16() -> bool:
-    """Whether this machine computes bf16 matmuls natively (not emulated in fp32)."""
-    if torch.cuda.is_available():
-        return torch.cuda.is_bf16_supported()
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:  # not Linux: assume emulation, where bf16 is slower than fp32
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def resolve_precision(precision: str) -> str:

@@ -32,6 +32,7 @@ from envace.config import ConfigError, field
 from envace.accounting import WorldExecutions
 from envace.manifest import build_manifest, chain_executions, with_executions, write_manifest
 from envace.metrics import summarize_records, trajectory_record
+from envace.backends.lean import decode_dtype
 from envace.backends.open import check_models, open_generator
 from envace.rewards import Context, compute_rewards, judge_missing, reward_names, runs_world
 from envace.rollout import RolloutConfig, RolloutEngine
@@ -81,7 +82,6 @@ class TrainConfig(TrainingOptions):
                                             "(VLLM_SERVER_DEV_MODE=1, --weight-transfer-config '{\"backend\": \"envace_file\"}')")
     vllm_transfer_dir: str | None = field(None, help="--sampler vllm / vllm-colocated: where pushed weights are written for vLLM to read "
                                                      "(default /dev/shm; a remote server needs a directory on a filesystem both hosts mount)")
-    sampler_dtype: Literal["f32", "f16", "bf16", "q8_0"] = field("f32", help="weights of the llama.cpp sampler's copy (f32: numerics closest to the update's)")
     tis_cap: float = field(2.0, help="truncated importance weight cap for samples drawn with other numerics than the update's (bf16, llama.cpp)")
     samples_per_step: int = field(2, help="trajectories written to samples.jsonl per step")
 
@@ -228,6 +228,11 @@ class TrainConfig(TrainingOptions):
         if t != 1.0 and self.sampler != "hf":
             raise ConfigError(f"--sampler {self.sampler} reports logprobs at temperature 1 only, so it trains at --temperature 1 (got {t}); "
                               "use --sampler hf for tempered sampling")
+        dtype = self.rollout.sampler_dtype
+        if self.sampler == "hf" and dtype in ("f16", "q8_0"):
+            raise ConfigError(f"--sampler-dtype {dtype} is llama.cpp's (--sampler llamacpp); --sampler hf samples in auto, f32 or bf16")
+        if self.sampler.startswith("vllm") and dtype != "auto":
+            raise ConfigError(f"--sampler-dtype is not read by --sampler {self.sampler}: vLLM samples in its own --dtype; drop --sampler-dtype")
 
 
 def load_train_tasks(cfg: TrainConfig) -> list[Task]:
@@ -324,7 +329,7 @@ class Trainer:
         resume_from = check_resume(self.dir, cfg, cfg.resume)
         seed_everything(cfg.seed)
         self.models, self.tokenizer = self._build_models()
-        self.judge = open_generator(cfg.judge, cfg.seed) if cfg.judge else None  # frozen, for the judge reward
+        self.judge = open_generator(cfg.judge, cfg.seed, sampler_dtype=cfg.rollout.sampler_dtype) if cfg.judge else None  # frozen, for the judge reward
         self.step = 0
         self.generators: dict[str, Any] = {}  # seed stream -> its generator (Trainer._generator)
         self.stream = TaskStream(self.tasks, cfg.seed)
@@ -418,7 +423,8 @@ class Trainer:
         module = self._full_models()[name] if trained else model
         generator = self.generators.get(stream)
         if generator is None:
-            generator = self.generators[stream] = self._open_sampler(module) if trained else HFGenerator(module, self.tokenizer)
+            generator = self.generators[stream] = self._open_sampler(module) if trained else \
+                HFGenerator(module, self.tokenizer, dtype=decode_dtype(self.cfg.rollout.sampler_dtype, module))
         if trained and generator.weights_version != self.step:
             generator.sync_weights(PolicyWeights(module, version=self.step))
         generator.set_seed(sampling_seed(self.cfg.seed, self.step, self.accelerator.process_index, stream))
@@ -431,14 +437,15 @@ class Trainer:
 
         cfg = self.cfg
         if cfg.sampler == "hf":
-            return HFGenerator(module, self.tokenizer)
+            return HFGenerator(module, self.tokenizer, dtype=decode_dtype(cfg.rollout.sampler_dtype, module))
         if cfg.sampler == "vllm":
             return self._open_vllm()
         if cfg.sampler == "vllm-colocated":
             return self._open_vllm_colocated()
         from envace.backends.llamacpp import LlamaCppGenerator
 
-        return LlamaCppGenerator(module, self.tokenizer, cfg.model, dtype=cfg.sampler_dtype, max_sessions=cfg.tasks_per_step * cfg.k,
+        dtype = "f32" if cfg.rollout.sampler_dtype == "auto" else cfg.rollout.sampler_dtype  # numerics closest to the update's
+        return LlamaCppGenerator(module, self.tokenizer, cfg.model, dtype=dtype, max_sessions=cfg.tasks_per_step * cfg.k,
                                  n_ctx_per_session=cfg.rollout.max_total_tokens + 1, seed=cfg.seed)
 
     def _open_vllm(self) -> Any:
@@ -508,10 +515,11 @@ class Trainer:
     @property
     def numerics_differ(self) -> bool:
         """Whether the sampler's logprobs come from other numerics than the update's (a bf16
-        update, a llama.cpp or vLLM sampler): then the PPO ratio's old logprobs are recomputed by the
-        update's own forward and the sampler's only weight the loss (truncated importance
-        sampling, `tis_cap`), never standing in for the policy's."""
-        return self.cfg.sampler != "hf" or self.accelerator.mixed_precision != "no"
+        update, a bf16 HF sampler, a llama.cpp or vLLM sampler): then the PPO ratio's old logprobs
+        are recomputed by the update's own forward and the sampler's only weight the loss
+        (truncated importance sampling, `tis_cap`), never standing in for the policy's."""
+        hf_exact = all(decode_dtype(self.cfg.rollout.sampler_dtype, m) is None for m in self._full_models().values())
+        return self.cfg.sampler != "hf" or self.accelerator.mixed_precision != "no" or not hf_exact
 
     def _optimize(self, name: str, model: Any, rows: list) -> dict[str, float]:
         cfg = self.cfg

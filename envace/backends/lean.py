@@ -1,0 +1,292 @@
+"""A lean decode path for Llama-family models over a preallocated KV cache (`HFGenerator`'s fast path).
+
+Why
+    A 135M-parameter model decodes one token in ~1.5 ms of weight reads, but transformers' eager
+    forward spends several times that in per-module Python, mask building, three q/k/v and two
+    gate/up matmuls per layer, and a `DynamicCache` that grows by concatenation. Grouped-query
+    attention through SDPA's `enable_gqa` (or `repeat_kv`) is also slow on CPU. This module runs the
+    same arithmetic with one fused qkv and one fused gate/up matmul per layer, writes keys and values
+    in place into a cache allocated once per call, and folds each key/value head's query heads into
+    the query axis, so attention never copies the cache. Weights may be kept in bf16 (`dtype`) where
+    the CPU multiplies bf16 natively: half the bytes per token and the bf16 matmul units.
+
+What it covers
+    Decoder-only models of the Llama layout (`LEAN_MODEL_TYPES`: RMSNorm, rotary q/k, q/k/v/o
+    projections with optional bias and per-head q/k norms, SiLU gate/up/down MLP, full attention).
+    `lean_support` says why a model is not covered; `HFGenerator` then runs transformers' forward.
+
+Numerics
+    At the model's own dtype (fp32) the outputs equal transformers' forward up to float rounding
+    (greedy decodes are token-identical; tests compare both). In bf16 the sampler's distribution is
+    the bf16 model's: the logprobs it returns are that distribution's, and a trainer must treat them
+    as another policy's (recompute + truncated importance weights; `envace.training.trainer`).
+
+Weight refresh
+    The packed copies are rebuilt whenever any parameter of the live module changed: every in-place
+    update (optimizer step, `load_state_dict`, `copy_`) bumps a tensor's version counter, so
+    `LeanWeights.current()` compares the counters (O(parameters), no data read) before each call.
+    LoRA adapters are merged into the copy (`PolicyWeights.merged_state`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from envace.backends.base import PolicyWeights
+
+LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, kv_heads, seq, head_dim]
+
+
+def decode_dtype(setting: str, model: Any) -> torch.dtype | None:
+    """The dtype a local sampler of `model` decodes with for a `--sampler-dtype` setting (None =
+    the model's own). auto picks bf16 where it is fast and exact enough to train from: native bf16
+    matmuls (`native_bf16`) and the lean path (transformers' forward would need a bf16 model)."""
+    from envace.backends.models import native_bf16
+
+    if setting == "auto":
+        return torch.bfloat16 if native_bf16() and lean_support(model) is None else None
+    if setting not in ("f32", "bf16"):
+        raise ValueError(f"a local (transformers) sampler decodes in f32 or bf16, not {setting!r} (f16 and q8_0 are llama.cpp's)")
+    dtype = torch.bfloat16 if setting == "bf16" else torch.float32
+    return None if dtype == model.dtype else dtype
+
+
+def _base(model: Any) -> Any:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def lean_support(model: Any) -> str | None:
+    """None if the lean path runs `model` exactly as transformers does, else why not."""
+    config = _base(model).config
+    if config.model_type not in LEAN_MODEL_TYPES:
+        return f"model type {config.model_type!r} (lean path: {', '.join(LEAN_MODEL_TYPES)})"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} (lean path: silu)"
+    if getattr(config, "mlp_bias", False):
+        return "MLP biases"
+    return None  # rotary variants are the model's own module's business (`LeanWeights.rope`)
+
+
+@dataclass
+class _Layer:
+    norm_in: torch.Tensor
+    qkv: torch.Tensor  # q, k and v projections stacked: [(heads + 2 kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # per-head RMSNorm weights (Qwen3)
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+    norm_post: torch.Tensor
+    gate_up: torch.Tensor  # gate and up stacked: [2 * intermediate, hidden]
+    down: torch.Tensor
+
+
+class LeanWeights:
+    """The packed, `dtype` copy of a live module's weights, rebuilt when any parameter changed."""
+
+    def __init__(self, model: Any, dtype: torch.dtype):
+        self.model = model
+        self.dtype = dtype
+        base = _base(model)
+        config = base.config
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.eps = config.rms_norm_eps
+        self.rotary = base.model.rotary_emb
+        self.scaling = base.model.layers[0].self_attn.scaling
+        self._stamp: tuple[int, ...] | None = None
+        self.rebuilds = 0
+
+    def _versions(self) -> tuple[int, ...]:
+        return tuple(p._version for p in self.model.parameters())
+
+    def current(self) -> "LeanWeights":
+        """Self, with the copy rebuilt first if the live weights changed since it was made."""
+        stamp = self._versions()
+        if stamp != self._stamp:
+            self._build()
+            self._stamp = stamp
+        return self
+
+    @torch.no_grad()
+    def _build(self) -> None:
+        state = PolicyWeights(self.model, version=0).merged_state()
+        cast: dict[int, torch.Tensor] = {}  # tied tensors (embeddings = LM head) are cast once
+
+        def get(name: str) -> torch.Tensor | None:
+            t = state.get(name)
+            if t is None:
+                return None
+            key = t.data_ptr()
+            if key not in cast:
+                cast[key] = t.to(self.dtype).contiguous()
+            return cast[key]
+
+        def cat(*names: str) -> torch.Tensor | None:
+            parts = [state.get(n) for n in names]
+            if any(p is None for p in parts):
+                return None
+            return torch.cat(parts).to(self.dtype).contiguous()
+
+        self.embed = get("model.embed_tokens.weight")
+        self.lm_head = get("lm_head.weight")
+        if self.lm_head is None:  # tied head, stored once
+            self.lm_head = self.embed
+        self.norm = get("model.norm.weight")
+        self.layers = []
+        for i in range(len(_base(self.model).model.layers)):
+            p = f"model.layers.{i}."
+            attn = p + "self_attn."
+            self.layers.append(_Layer(
+                norm_in=get(p + "input_layernorm.weight"),
+                qkv=cat(attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
+                qkv_bias=cat(attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"),
+                q_norm=get(attn + "q_norm.weight"), k_norm=get(attn + "k_norm.weight"),
+                o=get(attn + "o_proj.weight"),
+                norm_post=get(p + "post_attention_layernorm.weight"),
+                gate_up=cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                down=get(p + "mlp.down_proj.weight"),
+            ))
+        self.rebuilds += 1
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [batch, seq, 1, head_dim] for position ids [batch, seq] (the model's own rotary module)."""
+        cos, sin = self.rotary(self.embed[:1], positions)
+        return cos.to(self.dtype)[:, :, None], sin.to(self.dtype)[:, :, None]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class StaticBatch:
+    """The sessions of one call in one preallocated KV cache, with the same interface as
+    `hf._Batch` (forward / feed / row_kv / keep_rows).
+
+    Layout: like `_Batch`, rows are left-padded so that every row's newest token sits in the same
+    column; past caches end at column `width_past`, the pending chunks fill the next `width_new`
+    columns, and each decode step writes one more column in place. `valid[b, c]` marks real
+    tokens; a row's positions are its count of real tokens. The cache holds width_past +
+    width_new + max_new_tokens columns, so no step ever reallocates.
+
+    Finished rows stay in the cache, masked out of the logits, until they are more than a quarter
+    of it; then the live rows are compacted into a smaller cache (one copy, not one per finished row).
+    """
+
+    def __init__(self, weights: LeanWeights, chunks: list[list[int]], kvs: list[KV | None], pad_id: int,
+                 device: torch.device, max_new_tokens: int):
+        w = self.w = weights
+        past = [0 if kv is None else kv[0][0].shape[2] for kv in kvs]
+        width_past, width_new = max(past), max(len(c) for c in chunks)
+        columns = width_past + width_new + max_new_tokens
+        rows = len(chunks)
+        self.valid = torch.zeros(rows, columns, dtype=torch.bool, device=device)
+        self.input_ids = torch.full((rows, width_new), pad_id, dtype=torch.long, device=device)
+        self.cache = torch.empty(2, len(w.layers), rows, w.kv_heads, columns, w.head_dim, dtype=w.dtype, device=device)
+        # Attention reads every column up to the newest, masked or not, and a masked value still
+        # meets a zero weight in the product (0 x NaN = NaN): the padding before each row's past
+        # must hold numbers. Later columns are written for every row before anything reads them.
+        self.cache[..., :width_past, :].zero_()
+        for row, (n_past, chunk, kv) in enumerate(zip(past, chunks, kvs)):
+            self.valid[row, width_past - n_past:width_past] = True
+            self.valid[row, width_past + width_new - len(chunk):width_past + width_new] = True
+            self.input_ids[row, width_new - len(chunk):] = torch.tensor(chunk, device=device)
+            if kv is not None:
+                for layer, (k, v) in enumerate(kv):
+                    self.cache[0, layer, row, :, width_past - n_past:width_past] = k[0]
+                    self.cache[1, layer, row, :, width_past - n_past:width_past] = v[0]
+        self.length = width_past  # columns written so far
+        self.pad_id = pad_id
+        self.live = list(range(rows))  # internal row of each row the caller sees
+
+    def forward(self, model: Any = None) -> torch.Tensor:
+        """Run the pending input; returns float32 next-token logits [live rows, vocab]."""
+        start, n = self.length, self.input_ids.shape[1]
+        end = start + n
+        valid = self.valid[:, :end]
+        positions = (valid.cumsum(-1) - 1).clamp(min=0)[:, start:]
+        # Query column q sees valid keys up to q; a padded query sees itself (never an empty row).
+        if n == 1:
+            mask = valid[:, None, :].clone()
+            mask[:, :, start] = True
+        else:
+            causal = torch.ones(n, end, dtype=torch.bool, device=valid.device).tril(start)
+            mask = valid[:, None, :] & causal[None]
+            mask[:, :, start:] |= torch.eye(n, dtype=torch.bool, device=valid.device)
+        logits = self._forward(self.input_ids, positions, mask, start)
+        self.length = end
+        return logits[self.live].float() if len(self.live) < len(logits) else logits.float()
+
+    @torch.inference_mode()
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, start: int) -> torch.Tensor:
+        w = self.w
+        rows, n = ids.shape
+        end = start + n
+        group = w.heads // w.kv_heads
+        q_size, kv_size = w.heads * w.head_dim, w.kv_heads * w.head_dim
+        cos, sin = w.rope(positions)
+        # Each key/value head's `group` query heads become `group` query rows (q head h uses kv
+        # head h // group, as transformers' repeat_kv), so attention reads the cache once, uncopied.
+        # An additive mask made once per forward: SDPA would convert a boolean one in every layer.
+        bias = torch.zeros(mask.shape, dtype=w.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        attn_mask = bias[:, None, :, None, :].expand(rows, 1, n, group, end).reshape(rows, 1, n * group, end) if n > 1 else bias[:, None]
+        x = F.embedding(ids, w.embed)
+        hidden = x.shape[-1]
+        for i, layer in enumerate(w.layers):
+            h = F.rms_norm(x, (hidden,), layer.norm_in, w.eps)
+            q, k, v = F.linear(h, layer.qkv, layer.qkv_bias).split((q_size, kv_size, kv_size), dim=-1)
+            q = q.view(rows, n, w.heads, w.head_dim)
+            k = k.view(rows, n, w.kv_heads, w.head_dim)
+            if layer.q_norm is not None:
+                q = F.rms_norm(q, (w.head_dim,), layer.q_norm, w.eps)
+                k = F.rms_norm(k, (w.head_dim,), layer.k_norm, w.eps)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            keys, values = self.cache[0, i], self.cache[1, i]
+            keys[:, :, start:end] = k.transpose(1, 2)
+            values[:, :, start:end] = v.view(rows, n, w.kv_heads, w.head_dim).transpose(1, 2)
+            q = q.view(rows, n, w.kv_heads, group, w.head_dim).transpose(1, 2).reshape(rows, w.kv_heads, n * group, w.head_dim)
+            out = F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], attn_mask=attn_mask, scale=w.scaling)
+            out = out.view(rows, w.kv_heads, n, group, w.head_dim).transpose(1, 2).reshape(rows, n, q_size)
+            x = x + F.linear(out, layer.o)
+            h = F.rms_norm(x, (hidden,), layer.norm_post, w.eps)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+        return F.linear(F.rms_norm(x[:, -1], (hidden,), w.norm, w.eps), w.lm_head)
+
+    def feed(self, tokens: torch.Tensor) -> None:
+        """Queue one sampled token per live row for the next forward (finished rows get padding)."""
+        ids = torch.full((self.valid.shape[0], 1), self.pad_id, dtype=torch.long, device=self.valid.device)
+        ids[self.live, 0] = tokens
+        self.input_ids = ids
+        self.valid[self.live, self.length] = True
+        # A finished row's new column stays invalid: nothing attends to it, and its row_kv is taken.
+
+    def row_kv(self, row: int) -> KV:
+        """Live row `row`'s cache without padding, copied out of the batch's cache (compact form)."""
+        internal = self.live[row]
+        keep = self.valid[internal, :self.length].nonzero().squeeze(1)
+        keys = self.cache[0, :, internal:internal + 1][:, :, :, keep]
+        values = self.cache[1, :, internal:internal + 1][:, :, :, keep]
+        return [(keys[layer], values[layer]) for layer in range(keys.shape[0])]
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep only these live rows; compact the cache once finished rows exceed a quarter of it."""
+        self.live = [self.live[r] for r in rows]
+        total = self.valid.shape[0]
+        if total - len(self.live) <= total // 4:
+            return
+        index = torch.tensor(self.live, device=self.valid.device)
+        valid = self.valid[index]
+        start = int(valid[:, :self.length].any(0).int().argmax())  # leading columns that hold only padding
+        self.valid = valid[:, start:]
+        self.cache = self.cache[:, :, index, :, start:].contiguous()
+        self.input_ids = self.input_ids[index]
+        self.length -= start
+        self.live = list(range(len(index)))
