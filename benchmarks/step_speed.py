@@ -177,7 +177,7 @@ def update(model: Any, tokenizer: Any, limits: dict[str, float], args: argparse.
             forwarded = forwarded_tokens(pack_shared_prefixes(rows) if share else rows)
 
             def loss_fn(batch: Any) -> Any:
-                logprobs, _ = sequence_logprobs(model, batch)
+                logprobs, _ = sequence_logprobs(model, batch, trained_only=True)
                 return ppo_loss(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, num_tokens=trained)
 
             def step() -> None:

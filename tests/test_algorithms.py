@@ -811,3 +811,45 @@ def test_packed_rows_match_separate_rows_on_the_default_model():
         r.old_logprobs = [0.0] * len(r.old_logprobs)
     fresh = recompute_old_logprobs(model, rows, tokenizer.pad_token_id)
     assert_same_logprobs_and_grads(model.train(), fresh, tokenizer.pad_token_id, atol=1e-4, grad_rtol=1e-3)
+
+
+# ---- scoring only what the loss reads ------------------------------------------------------
+
+def test_selected_logprob_its_gradient_and_the_entropy_by_hand():
+    """logits (0, ln 3): p = (1/4, 3/4). log p[1] = ln 3/4; d/dlogits = onehot - p = (-1/4, 1/4);
+    H = -(1/4 ln 1/4 + 3/4 ln 3/4) = 0.5623."""
+    from envace.algorithms import losses
+
+    logits = torch.tensor([[0.0, math.log(3.0)]], requires_grad=True)
+    logp = losses._SelectedLogprob.apply(logits, torch.tensor([1]))
+    assert logp.item() == pytest.approx(math.log(0.75))
+    (2 * logp).sum().backward()
+    torch.testing.assert_close(logits.grad, torch.tensor([[-0.5, 0.5]]))
+    _, entropy = losses._token_logprobs(torch.nn.Identity(), None, logits.detach(), torch.tensor([1]))
+    assert entropy.item() == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)), abs=1e-6)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_trained_only_scores_the_loss_tokens_with_the_same_values_and_gradients(tokenizer, packed):
+    """The update scores only loss_mask > 0 tokens (the prompts' are never read by a loss): those
+    equal the all-positions values, every other position is 0, and the loss's gradients are the same."""
+    model = hf_tiny_model(tokenizer)
+    rows = grouped_rows(tokenizer, k=3)
+    units = pack_shared_prefixes(rows) if packed else rows
+    results = {}
+    for trained_only in (False, True):
+        model.zero_grad(set_to_none=True)
+        batch = collate(units, tokenizer.pad_token_id)
+        logprobs, entropy = sequence_logprobs(model, batch, chunk_size=5, trained_only=trained_only)
+        loss, _ = ppo_loss(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, dual_clip=3.0)
+        loss.backward()
+        results[trained_only] = (batch, logprobs.detach(), entropy.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    batch, all_lp, all_ent, all_grads = results[False]
+    _, lp, ent, grads = results[True]
+    trained = batch.loss_mask > 0
+    assert trained.any() and (~trained & batch.attention_mask.bool()).any()  # both kinds of position exist
+    torch.testing.assert_close(lp[trained], all_lp[trained], rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent[trained], all_ent[trained], rtol=0, atol=1e-4)
+    assert lp[~trained].eq(0).all() and ent[~trained].eq(0).all()
+    for name, grad in all_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6 + 1e-4 * grad.abs().max().item(), msg=name)

@@ -458,6 +458,24 @@ def _prefix_grouped(model: torch.nn.Module) -> Iterator[None]:
             layer._gradient_checkpointing_func = checkpoint_fn
 
 
+class _SelectedLogprob(torch.autograd.Function):
+    """log softmax(logits)[target] per row, without the [N, vocab] log-softmax: the forward keeps
+    the logsumexp, the backward writes g * (onehot(target) - softmax) into one new [N, vocab]
+    tensor (autograd's log_softmax + gather would allocate a zero-filled one more and read it twice)."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        lse = torch.logsumexp(logits, dim=-1)
+        ctx.save_for_backward(logits, targets, lse)
+        return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        logits, targets, lse = ctx.saved_tensors
+        out = torch.exp(logits - lse.unsqueeze(-1)).mul_(-grad.unsqueeze(-1))
+        return out.scatter_add_(-1, targets.unsqueeze(-1), grad.unsqueeze(-1)), None
+
+
 def _token_logprobs(
     head: torch.nn.Module, softcap: float | None, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -466,17 +484,21 @@ def _token_logprobs(
         logits = softcap * torch.tanh(logits / softcap)
     if temperature != 1.0:
         logits = logits / temperature
-    logp = torch.log_softmax(logits, dim=-1)
-    with torch.no_grad():  # entropy is a metric, not part of the loss
-        entropy = -(logp.exp() * logp).sum(-1)
-    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
+    logp = _SelectedLogprob.apply(logits, targets)
+    with torch.no_grad():  # entropy is a metric, not part of the loss: H = logsumexp - E_p[logits]
+        probs = torch.softmax(logits, dim=-1)
+        entropy = torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
+    return logp, entropy
 
 
 def sequence_logprobs(model: torch.nn.Module, batch: Batch, chunk_size: int = 512,
-                      temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                      temperature: float = 1.0, trained_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprob and entropy of token t under softmax(logits at t-1 / temperature), both [B, T]
     (position 0 holds 0). `temperature` is the rollout's sampling temperature, so that the PPO
     ratio compares the distribution that drew the tokens (as the samplers report it).
+    `trained_only`: score only the tokens a loss reads (loss_mask > 0), 0 elsewhere: the LM head
+    and its vocabulary-wide softmax are a large share of an update over long transcripts whose
+    prompts and tool documentation are not trained.
 
     The [B, T, vocab] logits are the memory peak of RL on long transcripts, so the LM head runs
     over `chunk_size` positions at a time, and under autograd each chunk is checkpointed: only
@@ -501,13 +523,15 @@ def sequence_logprobs(model: torch.nn.Module, batch: Batch, chunk_size: int = 51
     inner = extract_model_from_parallel(model)
     softcap = getattr(inner.config, "final_logit_softcapping", None)  # Gemma-style models
     packed = batch.packed
+    scored = batch.loss_mask > 0 if trained_only else None
     if packed is None:
         targets = batch.input_ids[:, 1:]
-        score = lambda head, hidden: _row_logprobs(head, softcap, hidden[:, :-1], targets, chunk_size, temperature)  # noqa: E731
+        scored = torch.ones_like(targets, dtype=torch.bool) if scored is None else scored[:, 1:]
+        score = lambda head, hidden: _row_logprobs(head, softcap, hidden[:, :-1], targets, scored, chunk_size, temperature)  # noqa: E731
         with _scoring_head(inner, score):
             out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=0, use_cache=False)
     else:
-        score = lambda head, hidden: _packed_logprobs(head, softcap, hidden, packed, chunk_size, temperature)  # noqa: E731
+        score = lambda head, hidden: _packed_logprobs(head, softcap, hidden, packed, scored, chunk_size, temperature)  # noqa: E731
         with _prefix_grouped(inner), _scoring_head(inner, score):
             out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, packed_layout=packed.layout, logits_to_keep=0, use_cache=False)
     return out.logits[..., 0], out.logits[..., 1]
@@ -548,37 +572,47 @@ def _scoring_head(model: torch.nn.Module, score: Callable) -> Iterator[None]:
             model.config.final_logit_softcapping = softcap
 
 
-def _row_logprobs(head: torch.nn.Module, softcap: float | None, hidden: torch.Tensor, targets: torch.Tensor,
-                  chunk_size: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Score each row's tokens from the hidden state before them, chunk_size positions at a time
-    (checkpointed under autograd); [B, T] with 0 at position 0, which nothing predicts."""
-    logps, entropies = [], []
-    for start in range(0, hidden.shape[1], chunk_size):
-        args = (head, softcap, hidden[:, start : start + chunk_size], targets[:, start : start + chunk_size], temperature)
+def _score(head: torch.nn.Module, softcap: float | None, predictors: torch.Tensor, targets: torch.Tensor,
+           step: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs, entropies) [N] of N (hidden state, target) pairs, `step` pairs at a time
+    (checkpointed under autograd: one step's logits exist at once, forward or backward)."""
+    logps, entropies = [predictors.new_zeros(0, dtype=torch.float32)], [predictors.new_zeros(0, dtype=torch.float32)]
+    for start in range(0, predictors.shape[0], step):
+        args = (head, softcap, predictors[start : start + step], targets[start : start + step], temperature)
         lp, ent = checkpoint(_token_logprobs, *args, use_reentrant=False) if torch.is_grad_enabled() else _token_logprobs(*args)
         logps.append(lp)
         entropies.append(ent)
+    return torch.cat(logps), torch.cat(entropies)
+
+
+def _row_logprobs(head: torch.nn.Module, softcap: float | None, hidden: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor,
+                  chunk_size: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Score each row's `scored` tokens from the hidden state before them, chunk_size positions per
+    row at a time; [B, T] with 0 at position 0, which nothing predicts, and where not scored."""
+    lp, ent = _score(head, softcap, hidden[scored], targets[scored], chunk_size * hidden.shape[0], temperature)
     first = torch.zeros(hidden.shape[0], 1, device=hidden.device)
-    return torch.cat([first, *logps], dim=1), torch.cat([first, *entropies], dim=1)
+    zeros = torch.zeros(targets.shape, device=hidden.device)
+    return torch.cat([first, zeros.masked_scatter(scored, lp)], dim=1), torch.cat([first, zeros.masked_scatter(scored, ent)], dim=1)
 
 
-def _packed_logprobs(head: torch.nn.Module, softcap: float | None, hidden: torch.Tensor, packed: PackedInputs,
+def _packed_logprobs(head: torch.nn.Module, softcap: float | None, hidden: torch.Tensor, packed: PackedInputs, scored: torch.Tensor | None,
                      chunk_size: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Score every (predicting position, target) pair, chunk_size positions per packed row at a
-    time (checkpointed as above), and gather the pairs into the original rows' [B, T]."""
+    """Score the (predicting position, target) pairs that give a `scored` token of the original
+    rows (every pair when None), chunk_size positions per packed row at a time, and gather the
+    pairs into the original rows' [B, T] (0 where none or not scored)."""
     if packed.pair_positions.numel() == 0:  # one-token rows only: nothing is predicted
         zeros = torch.zeros(packed.token_pairs.shape, device=hidden.device)
         return zeros, zeros.clone()
-    predictors = hidden.reshape(-1, hidden.shape[-1]).index_select(0, packed.pair_positions)
-    step = chunk_size * hidden.shape[0]
-    logps, entropies = [], []
-    for start in range(0, predictors.shape[0], step):
-        args = (head, softcap, predictors[start : start + step], packed.pair_targets[start : start + step], temperature)
-        lp, ent = checkpoint(_token_logprobs, *args, use_reentrant=False) if torch.is_grad_enabled() else _token_logprobs(*args)
-        logps.append(lp)
-        entropies.append(ent)
-    valid, index = packed.token_pairs >= 0, packed.token_pairs.clamp(min=0)
-    return torch.where(valid, torch.cat(logps)[index], 0.0), torch.where(valid, torch.cat(entropies)[index], 0.0)
+    valid = packed.token_pairs >= 0
+    if scored is not None:
+        valid = valid & scored
+    index = packed.token_pairs.clamp(min=0)
+    needed = index[valid].unique() if scored is not None else torch.arange(packed.pair_positions.numel(), device=index.device)
+    predictors = hidden.reshape(-1, hidden.shape[-1]).index_select(0, packed.pair_positions[needed])
+    lp, ent = _score(head, softcap, predictors, packed.pair_targets[needed], chunk_size * hidden.shape[0], temperature)
+    pairs = torch.zeros(packed.pair_positions.numel(), device=hidden.device)
+    lp, ent = pairs.index_put((needed,), lp), pairs.index_put((needed,), ent)
+    return torch.where(valid, lp[index], 0.0), torch.where(valid, ent[index], 0.0)
 
 
 def recompute_old_logprobs(model: torch.nn.Module, rows: Sequence[Row], pad_id: int, max_tokens: int = 4096,
@@ -609,7 +643,7 @@ def recompute_old_logprobs(model: torch.nn.Module, rows: Sequence[Row], pad_id: 
             for chunk in lockstep_micro_batches(units, max_tokens, pad_id, lockstep):
                 batch = collate(chunk, pad_id).to(device)
                 with (autocast or contextlib.nullcontext)():
-                    logprobs, _ = sequence_logprobs(inner, batch, temperature=temperature)
+                    logprobs, _ = sequence_logprobs(inner, batch, temperature=temperature, trained_only=True)
                 for row, values in zip(unit_rows(chunk), logprobs.float().cpu().tolist()):
                     computed[id(row)] = values
     finally:

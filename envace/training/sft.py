@@ -118,7 +118,7 @@ def nll_step(model: Any, rows: list[Row], pad_id: int, max_tokens: int, accelera
     total = global_sum(accelerator, local)
 
     def loss_fn(batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
-        logprobs, _ = sequence_logprobs(model, batch)
+        logprobs, _ = sequence_logprobs(model, batch, trained_only=True)
         loss = -(logprobs * batch.loss_mask).sum() / (total / accelerator.num_processes)
         return loss, {"loss": loss.item() / accelerator.num_processes}
 

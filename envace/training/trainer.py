@@ -546,11 +546,11 @@ class Trainer:
         model.train()
 
         def loss_fn(batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
-            logprobs, entropy = sequence_logprobs(model, batch, temperature=cfg.rollout.temperature)
+            logprobs, entropy = sequence_logprobs(model, batch, temperature=cfg.rollout.temperature, trained_only=True)
             ref = None
             if self.models.reference is not None:
                 with torch.no_grad():
-                    ref, _ = sequence_logprobs(self.models.reference, batch, temperature=cfg.rollout.temperature)
+                    ref, _ = sequence_logprobs(self.models.reference, batch, temperature=cfg.rollout.temperature, trained_only=True)
             return ppo_loss(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, cfg.clip_eps, cfg.dual_clip, ref, cfg.kl_coef,
                             roles=batch.roles, entropy=entropy, num_tokens=float(denom), behaviour_logprobs=batch.behaviour_logprobs, tis_cap=tis_cap)
 
