@@ -821,12 +821,12 @@ def test_selected_logprob_its_gradient_and_the_entropy_by_hand():
     from envace.algorithms import losses
 
     logits = torch.tensor([[0.0, math.log(3.0)]], requires_grad=True)
-    logp = losses._SelectedLogprob.apply(logits, torch.tensor([1]))
+    logp, entropy = losses._token_logprobs(torch.nn.Identity(), None, logits, torch.tensor([1]))
     assert logp.item() == pytest.approx(math.log(0.75))
-    (2 * logp).sum().backward()
-    torch.testing.assert_close(logits.grad, torch.tensor([[-0.5, 0.5]]))
-    _, entropy = losses._token_logprobs(torch.nn.Identity(), None, logits.detach(), torch.tensor([1]))
     assert entropy.item() == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)), abs=1e-6)
+    assert not entropy.requires_grad  # a metric
+    (2 * logp).sum().backward()  # upstream gradient 2
+    torch.testing.assert_close(logits.grad, torch.tensor([[-0.5, 0.5]]))
 
 
 @pytest.mark.parametrize("packed", [False, True])

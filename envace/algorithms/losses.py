@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, fields, replace
-from typing import Callable, ContextManager, Iterator, Literal, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Literal, Sequence
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -459,20 +459,25 @@ def _prefix_grouped(model: torch.nn.Module) -> Iterator[None]:
 
 
 class _SelectedLogprob(torch.autograd.Function):
-    """log softmax(logits)[target] per row, without the [N, vocab] log-softmax: the forward keeps
-    the logsumexp, the backward writes g * (onehot(target) - softmax) into one new [N, vocab]
-    tensor (autograd's log_softmax + gather would allocate a zero-filled one more and read it twice)."""
+    """(log softmax(logits)[target], entropy of softmax(logits)) per row, in as few passes over the
+    [N, vocab] logits as they need: one log-softmax, one softmax (kept for the backward) and one dot
+    product for the entropy, which is a metric (not differentiated). The backward writes
+    g * (onehot(target) - softmax) in place of the kept softmax, where autograd's log_softmax +
+    gather would allocate and zero-fill another [N, vocab] tensor and read it twice."""
 
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        lse = torch.logsumexp(logits, dim=-1)
-        ctx.save_for_backward(logits, targets, lse)
-        return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logp = torch.log_softmax(logits, dim=-1)
+        probs = logp.exp()
+        entropy = -torch.bmm(probs.unsqueeze(1), logp.unsqueeze(2)).view(-1)  # one read of each, no [N, vocab] product
+        ctx.save_for_backward(probs, targets)
+        ctx.mark_non_differentiable(entropy)
+        return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        logits, targets, lse = ctx.saved_tensors
-        out = torch.exp(logits - lse.unsqueeze(-1)).mul_(-grad.unsqueeze(-1))
+    def backward(ctx: Any, grad: torch.Tensor, _: torch.Tensor) -> tuple[torch.Tensor, None]:
+        probs, targets = ctx.saved_tensors
+        out = probs.mul_(-grad.unsqueeze(-1))  # the kept softmax is not needed again: reuse its memory
         return out.scatter_add_(-1, targets.unsqueeze(-1), grad.unsqueeze(-1)), None
 
 
@@ -484,11 +489,7 @@ def _token_logprobs(
         logits = softcap * torch.tanh(logits / softcap)
     if temperature != 1.0:
         logits = logits / temperature
-    logp = _SelectedLogprob.apply(logits, targets)
-    with torch.no_grad():  # entropy is a metric, not part of the loss: H = logsumexp - E_p[logits]
-        probs = torch.softmax(logits, dim=-1)
-        entropy = torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
-    return logp, entropy
+    return _SelectedLogprob.apply(logits, targets)
 
 
 def sequence_logprobs(model: torch.nn.Module, batch: Batch, chunk_size: int = 512,
