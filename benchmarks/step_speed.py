@@ -10,7 +10,8 @@ Sections (each one a function below; figures are for the default model, SmolLM2-
             matmul-bound token rate: GFLOP/s / (2 x matmul parameters) tokens/s;
   decode    batch-1, 8 and 32 decode tok/s after a real tool prompt: envace's HF backend through
             transformers' forward (the reference), through the lean path in fp32 and in bf16
-            (envace/backends/lean.py; bf16 is the default sampler here), and llama.cpp on the model's
+            (envace/backends/lean.py; bf16 is the default sampler here) and with int8 weight copies
+            for small batches (--sampler-dtype int8), and llama.cpp on the model's
             own Q4_1 GGUF (what a user would otherwise run);
   prefill   tokens/s encoding 8 different prompts, transformers' forward and the lean bf16 path;
   update    forward+backward of the PPO loss on K=4 rollouts of 2 tasks: fp32 vs bf16 autocast,
@@ -100,6 +101,7 @@ HF_ENGINES: dict[str, dict[str, Any]] = {
     "envace HF, transformers' forward, fp32 (before)": dict(lean=False),
     "envace HF, lean path, fp32": {},
     "envace HF, lean path, bf16 (default here)": dict(dtype=torch.bfloat16),
+    "envace HF, lean path, int8 weights for <= 8 rows": dict(dtype=torch.bfloat16, int8=True),
 }
 
 
@@ -201,6 +203,7 @@ STEP_SETTINGS = {
     "before (transformers' forward sampling, fp32 update, one row per rollout)": dict(precision="fp32", share_prefix=False, sampler_dtype="f32", lean=False),
     "previous (transformers' forward sampling, bf16 update, shared prefix)": dict(precision="auto", share_prefix=True, sampler_dtype="f32", lean=False),
     "now (lean bf16 sampler, bf16 update, shared prefix: the defaults)": dict(precision="auto", share_prefix=True),
+    "now with --sampler-dtype int8": dict(precision="auto", share_prefix=True, sampler_dtype="int8"),
 }
 
 

@@ -7,7 +7,7 @@ import torch
 
 from envace.backends import HFGenerator, SamplingParams, tiny_model
 from envace.backends import lean
-from envace.backends.lean import LeanWeights, decode_dtype, lean_support
+from envace.backends.lean import INT8_MAX_ROWS, LeanWeights, decode_settings, lean_support
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
 
@@ -152,19 +152,49 @@ def test_models_outside_the_lean_layout_run_transformers_forward(tokenizer, prom
     with pytest.raises(ValueError, match="needs the lean decode path.*activation.*model's own dtype"):
         HFGenerator(model, tokenizer, dtype=torch.bfloat16)
     monkeypatch.setattr("envace.backends.models.native_bf16", lambda: True)
-    assert decode_dtype("auto", model) is None  # auto never asks for what cannot run
+    assert decode_settings("auto", model) == {"dtype": None, "int8": False}  # auto never asks for what cannot run
 
 
-def test_decode_dtype_settings(tokenizer, monkeypatch):
+def test_sampler_dtype_settings(tokenizer, monkeypatch):
     model = tiny_model(tokenizer)
     monkeypatch.setattr("envace.backends.models.native_bf16", lambda: True)
-    assert decode_dtype("auto", model) == torch.bfloat16
+    assert decode_settings("auto", model) == {"dtype": torch.bfloat16, "int8": False}
     monkeypatch.setattr("envace.backends.models.native_bf16", lambda: False)
-    assert decode_dtype("auto", model) is None  # emulated bf16 is slower than fp32
-    assert decode_dtype("f32", model) is None
-    assert decode_dtype("bf16", model) == torch.bfloat16
-    with pytest.raises(ValueError, match="f32 or bf16.*llama.cpp"):
-        decode_dtype("q8_0", model)
+    assert decode_settings("auto", model) == {"dtype": None, "int8": False}  # emulated bf16 is slower than fp32
+    assert decode_settings("f32", model) == {"dtype": None, "int8": False}
+    assert decode_settings("bf16", model) == {"dtype": torch.bfloat16, "int8": False}
+    assert decode_settings("int8", model) == {"dtype": torch.bfloat16, "int8": True}
+    with pytest.raises(ValueError, match="f32, bf16 or int8.*llama.cpp"):
+        decode_settings("q8_0", model)
+
+
+def test_int8_weights_by_hand():
+    """Per output channel: scale = max |w| / 127, w ~= round(w / scale) * scale."""
+    weight = torch.tensor([[0.5, -1.0, 0.25], [2.0, 1.0, -0.5]])
+    q, scales = lean._quantized(weight, torch.float32)
+    torch.testing.assert_close(scales, torch.tensor([1.0 / 127, 2.0 / 127]))
+    assert q.tolist() == [[64, -127, 32], [127, 64, -32]]  # 63.5 -> 64, 31.75 -> 32 (round half to even only at .5 exactly)
+
+
+def test_int8_decode_uses_the_int8_copies_for_small_batches_only(tokenizer, prompts, monkeypatch):
+    """Matmuls over <= INT8_MAX_ROWS rows (decode steps, the LM head of a few rows) run the int8
+    kernel, a prompt's prefill the bf16 weights; logprobs stay near the bf16 path's."""
+    model = tiny_model(tokenizer, seed=4)
+    calls = []
+    real = torch._weight_int8pack_mm
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda x, w, s: calls.append(x.shape[0]) or real(x, w, s))
+    gen = HFGenerator(model, tokenizer, dtype=torch.bfloat16, int8=True)
+    ids = gen.open(2)
+    long_prompts = [prompts[2] * 2, prompts[0] * 2]
+    outs = gen.generate(ids, long_prompts, SamplingParams(max_new_tokens=6, temperature=0.0))
+    assert calls and max(calls) <= INT8_MAX_ROWS  # the 2-row decode steps went through int8 ...
+    assert sum(map(len, long_prompts)) > INT8_MAX_ROWS  # ... and the prefill (more rows) did not
+    bf16 = HFGenerator(model, tokenizer, dtype=torch.bfloat16)
+    ref = bf16.generate(bf16.open(2), long_prompts, SamplingParams(max_new_tokens=1, temperature=0.0))
+    # The first token: bf16 prefill, then the 2-row LM head in int8; close to the bf16 path's.
+    assert all(abs(o.logprobs[0] - r.logprobs[0]) < 0.05 for o, r in zip(outs, ref))
+    with pytest.raises(ValueError, match="lean decode path"):
+        HFGenerator(tiny_model(tokenizer, hidden_act="gelu"), tokenizer, dtype=torch.bfloat16, int8=True)
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ from typing import Any
 
 from envace.backends.base import Completion, Generator, GenStats, SamplingParams
 from envace.backends.hf import HFGenerator
-from envace.backends.lean import decode_dtype
+from envace.backends.lean import decode_settings
 from envace.backends.models import (
     ModelNotFoundError,
     check_model_spec,
@@ -28,8 +28,8 @@ __all__ = [
 def make_generator(spec: str, tokenizer: Any = None, **kw: Any) -> Generator:
     """A generator for a model spec (local: HFGenerator) or an http(s):// base URL (OpenAIGenerator).
 
-    Local keywords: device, dtype (for load_model), sampler_dtype (the sampler's, `lean.decode_dtype`:
-    auto | f32 | bf16), seed, max_batch; `tokenizer` replaces the
+    Local keywords: device, dtype (for load_model), sampler_dtype (the sampler's, `lean.decode_settings`:
+    auto | f32 | bf16 | int8), seed, max_batch; `tokenizer` replaces the
     model's own. URL keywords: model (served name; default: the server's only model), api_key,
     timeout, max_concurrency; `tokenizer` is required (the served model's tokenizer, e.g.
     `load_tokenizer("default")`). The URL is checked with `check_reachable` before returning.
@@ -41,4 +41,4 @@ def make_generator(spec: str, tokenizer: Any = None, **kw: Any) -> Generator:
         generator.check_reachable()
         return generator
     model, own_tokenizer = load_model(spec, device=kw.pop("device", None), dtype=kw.pop("dtype", None))
-    return HFGenerator(model, tokenizer or own_tokenizer, dtype=decode_dtype(kw.pop("sampler_dtype", "f32"), model), **kw)
+    return HFGenerator(model, tokenizer or own_tokenizer, **decode_settings(kw.pop("sampler_dtype", "f32"), model), **kw)

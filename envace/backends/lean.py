@@ -43,18 +43,25 @@ LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, kv_heads, seq, head_dim]
 
 
-def decode_dtype(setting: str, model: Any) -> torch.dtype | None:
-    """The dtype a local sampler of `model` decodes with for a `--sampler-dtype` setting (None =
-    the model's own). auto picks bf16 where it is fast and exact enough to train from: native bf16
-    matmuls (`native_bf16`) and the lean path (transformers' forward would need a bf16 model)."""
+# Decode steps of at most this many rows multiply by int8 weight copies (`--sampler-dtype int8`):
+# measured on the development CPU, torch's int8 weight-only kernel reads a quarter of fp32's bytes
+# and beats the bf16 GEMM up to ~8 rows, then loses to it (docs/performance.md).
+INT8_MAX_ROWS = 8
+
+
+def decode_settings(setting: str, model: Any) -> dict[str, Any]:
+    """`HFGenerator`'s numerics keywords for a `--sampler-dtype` setting: dtype (None = the
+    model's own) and int8. auto picks bf16 where it is fast and close enough to train from: native
+    bf16 matmuls (`native_bf16`) and the lean path (transformers' forward would need a bf16 model).
+    int8 (CPU, lean path) adds int8 weight copies for small decode batches, on top of bf16."""
     from envace.backends.models import native_bf16
 
     if setting == "auto":
-        return torch.bfloat16 if native_bf16() and lean_support(model) is None else None
-    if setting not in ("f32", "bf16"):
-        raise ValueError(f"a local (transformers) sampler decodes in f32 or bf16, not {setting!r} (f16 and q8_0 are llama.cpp's)")
-    dtype = torch.bfloat16 if setting == "bf16" else torch.float32
-    return None if dtype == model.dtype else dtype
+        return {"dtype": torch.bfloat16 if native_bf16() and lean_support(model) is None else None, "int8": False}
+    if setting not in ("f32", "bf16", "int8"):
+        raise ValueError(f"a local (transformers) sampler decodes in f32, bf16 or int8, not {setting!r} (f16 and q8_0 are llama.cpp's)")
+    dtype = torch.float32 if setting == "f32" else torch.bfloat16
+    return {"dtype": None if dtype == model.dtype else dtype, "int8": setting == "int8"}
 
 
 def _base(model: Any) -> Any:
@@ -74,24 +81,50 @@ def lean_support(model: Any) -> str | None:
 
 
 @dataclass
+class _Proj:
+    """A projection's weight [out, in] (and bias) in the decode dtype, with an int8 copy (per output
+    channel scales) that small decode batches multiply by instead when it exists."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+    int8: torch.Tensor | None = None
+    scales: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if self.int8 is None or rows > INT8_MAX_ROWS:
+            return F.linear(x, self.weight, self.bias)
+        y = torch._weight_int8pack_mm(x.reshape(rows, x.shape[-1]), self.int8, self.scales).view(*x.shape[:-1], -1)
+        return y if self.bias is None else y + self.bias
+
+
+def _quantized(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output channel: weight ~= int8 * scale[:, None], from the fp32 weight."""
+    scales = weight.float().abs().amax(dim=1).clamp(min=1e-12) / 127
+    return (weight.float() / scales[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous(), scales.to(dtype)
+
+
+@dataclass
 class _Layer:
     norm_in: torch.Tensor
-    qkv: torch.Tensor  # q, k and v projections stacked: [(heads + 2 kv_heads) * head_dim, hidden]
-    qkv_bias: torch.Tensor | None
+    qkv: _Proj  # q, k and v projections stacked: [(heads + 2 kv_heads) * head_dim, hidden]
     q_norm: torch.Tensor | None  # per-head RMSNorm weights (Qwen3)
     k_norm: torch.Tensor | None
-    o: torch.Tensor
+    o: _Proj
     norm_post: torch.Tensor
-    gate_up: torch.Tensor  # gate and up stacked: [2 * intermediate, hidden]
-    down: torch.Tensor
+    gate_up: _Proj  # gate and up stacked: [2 * intermediate, hidden]
+    down: _Proj
 
 
 class LeanWeights:
     """The packed, `dtype` copy of a live module's weights, rebuilt when any parameter changed."""
 
-    def __init__(self, model: Any, dtype: torch.dtype):
+    def __init__(self, model: Any, dtype: torch.dtype, int8: bool = False):
+        if int8 and (dtype != torch.bfloat16 or next(model.parameters()).device.type != "cpu"):
+            raise ValueError("int8 decode runs torch's CPU int8 weight-only kernel with bf16 activations: a CPU model and dtype bf16")
         self.model = model
         self.dtype = dtype
+        self.int8 = int8
         base = _base(model)
         config = base.config
         self.heads = config.num_attention_heads
@@ -134,10 +167,15 @@ class LeanWeights:
                 return None
             return torch.cat(parts).to(self.dtype).contiguous()
 
+        def proj(*names: str, bias: tuple[str, ...] = ()) -> _Proj:
+            full = torch.cat([state[n] for n in names]) if len(names) > 1 else state[names[0]]
+            out = _Proj(get(names[0]) if len(names) == 1 else full.to(self.dtype).contiguous(), cat(*bias) if bias else None)
+            if self.int8:
+                out.int8, out.scales = _quantized(full, self.dtype)
+            return out
+
         self.embed = get("model.embed_tokens.weight")
-        self.lm_head = get("lm_head.weight")
-        if self.lm_head is None:  # tied head, stored once
-            self.lm_head = self.embed
+        self.lm_head = proj("lm_head.weight" if "lm_head.weight" in state else "model.embed_tokens.weight")  # a tied head is stored once
         self.norm = get("model.norm.weight")
         self.layers = []
         for i in range(len(_base(self.model).model.layers)):
@@ -145,19 +183,18 @@ class LeanWeights:
             attn = p + "self_attn."
             self.layers.append(_Layer(
                 norm_in=get(p + "input_layernorm.weight"),
-                qkv=cat(attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
-                qkv_bias=cat(attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"),
+                qkv=proj(*(attn + f"{x}_proj.weight" for x in "qkv"), bias=tuple(attn + f"{x}_proj.bias" for x in "qkv")),
                 q_norm=get(attn + "q_norm.weight"), k_norm=get(attn + "k_norm.weight"),
-                o=get(attn + "o_proj.weight"),
+                o=proj(attn + "o_proj.weight"),
                 norm_post=get(p + "post_attention_layernorm.weight"),
-                gate_up=cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                down=get(p + "mlp.down_proj.weight"),
+                gate_up=proj(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                down=proj(p + "mlp.down_proj.weight"),
             ))
         self.rebuilds += 1
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [batch, seq, 1, head_dim] for position ids [batch, seq] (the model's own rotary module)."""
-        cos, sin = self.rotary(self.embed[:1], positions)
+        cos, sin = self.rotary(self.embed[:1], positions)  # the model's rotary module (any rope variant)
         return cos.to(self.dtype)[:, :, None], sin.to(self.dtype)[:, :, None]
 
 
@@ -241,7 +278,7 @@ class StaticBatch:
         hidden = x.shape[-1]
         for i, layer in enumerate(w.layers):
             h = F.rms_norm(x, (hidden,), layer.norm_in, w.eps)
-            q, k, v = F.linear(h, layer.qkv, layer.qkv_bias).split((q_size, kv_size, kv_size), dim=-1)
+            q, k, v = layer.qkv(h).split((q_size, kv_size, kv_size), dim=-1)
             q = q.view(rows, n, w.heads, w.head_dim)
             k = k.view(rows, n, w.kv_heads, w.head_dim)
             if layer.q_norm is not None:
@@ -254,11 +291,11 @@ class StaticBatch:
             q = q.view(rows, n, w.kv_heads, group, w.head_dim).transpose(1, 2).reshape(rows, w.kv_heads, n * group, w.head_dim)
             out = F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], attn_mask=attn_mask, scale=w.scaling)
             out = out.view(rows, w.kv_heads, n, group, w.head_dim).transpose(1, 2).reshape(rows, n, q_size)
-            x = x + F.linear(out, layer.o)
+            x = x + layer.o(out)
             h = F.rms_norm(x, (hidden,), layer.norm_post, w.eps)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
-        return F.linear(F.rms_norm(x[:, -1], (hidden,), w.norm, w.eps), w.lm_head)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        return w.lm_head(F.rms_norm(x[:, -1], (hidden,), w.norm, w.eps))
 
     def feed(self, tokens: torch.Tensor) -> None:
         """Queue one sampled token per live row for the next forward (finished rows get padding)."""

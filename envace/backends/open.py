@@ -21,7 +21,7 @@ def check_models(*specs: str | None) -> None:
 
 
 def open_generator(spec: str, seed: int, tokenizer: str | None = None, api_model: str | None = None, sampler_dtype: str = "auto") -> Any:
-    """A local model (sampling in `sampler_dtype`, `lean.decode_dtype`) or an OpenAI-compatible
+    """A local model (sampling in `sampler_dtype`, `lean.decode_settings`) or an OpenAI-compatible
     server (whose tokenizer must be given or be the default's)."""
     from envace.backends import load_tokenizer, make_generator
 

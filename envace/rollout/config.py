@@ -31,9 +31,10 @@ class RolloutConfig:
         "end", help="after a malformed tool call/rehearsal (penalised either way): end the rollout, or show the error (ACT) or the broken response (REHEARSE) as the tool's answer and go on")
     # Each rollout in flight holds a world and a KV cache until it ends: this bounds memory.
     max_active: int | None = field(None, help="rollouts in flight at once; the next starts when one ends (0 or empty = all at once)")
-    sampler_dtype: Literal["auto", "f32", "bf16", "f16", "q8_0"] = field(
+    sampler_dtype: Literal["auto", "f32", "bf16", "int8", "f16", "q8_0"] = field(
         "auto", help="weights and KV cache a local model samples with: auto = bf16 where the CPU/GPU computes bf16 natively and the lean "
                      "decode path covers the model (docs/performance.md), else the model's own; f32 = the model's own numerics; "
+                     "int8 = bf16 plus int8 weight copies for decode steps of <= 8 rows (CPU; fastest, largest logprob mismatch); "
                      "f16 and q8_0 only for train --sampler llamacpp (whose auto is f32)")
 
     def validate(self) -> None:

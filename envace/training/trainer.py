@@ -32,7 +32,7 @@ from envace.config import ConfigError, field
 from envace.accounting import WorldExecutions
 from envace.manifest import build_manifest, chain_executions, with_executions, write_manifest
 from envace.metrics import summarize_records, trajectory_record
-from envace.backends.lean import decode_dtype
+from envace.backends.lean import decode_settings
 from envace.backends.open import check_models, open_generator
 from envace.rewards import Context, compute_rewards, judge_missing, reward_names, runs_world
 from envace.rollout import RolloutConfig, RolloutEngine
@@ -230,7 +230,9 @@ class TrainConfig(TrainingOptions):
                               "use --sampler hf for tempered sampling")
         dtype = self.rollout.sampler_dtype
         if self.sampler == "hf" and dtype in ("f16", "q8_0"):
-            raise ConfigError(f"--sampler-dtype {dtype} is llama.cpp's (--sampler llamacpp); --sampler hf samples in auto, f32 or bf16")
+            raise ConfigError(f"--sampler-dtype {dtype} is llama.cpp's (--sampler llamacpp); --sampler hf samples in auto, f32, bf16 or int8")
+        if self.sampler == "llamacpp" and dtype == "int8":
+            raise ConfigError("--sampler-dtype int8 is the HF sampler's (torch's int8 kernel); llama.cpp's 8-bit weights are q8_0")
         if self.sampler.startswith("vllm") and dtype != "auto":
             raise ConfigError(f"--sampler-dtype is not read by --sampler {self.sampler}: vLLM samples in its own --dtype; drop --sampler-dtype")
 
@@ -424,7 +426,7 @@ class Trainer:
         generator = self.generators.get(stream)
         if generator is None:
             generator = self.generators[stream] = self._open_sampler(module) if trained else \
-                HFGenerator(module, self.tokenizer, dtype=decode_dtype(self.cfg.rollout.sampler_dtype, module))
+                HFGenerator(module, self.tokenizer, **decode_settings(self.cfg.rollout.sampler_dtype, module))
         if trained and generator.weights_version != self.step:
             generator.sync_weights(PolicyWeights(module, version=self.step))
         generator.set_seed(sampling_seed(self.cfg.seed, self.step, self.accelerator.process_index, stream))
@@ -437,7 +439,7 @@ class Trainer:
 
         cfg = self.cfg
         if cfg.sampler == "hf":
-            return HFGenerator(module, self.tokenizer, dtype=decode_dtype(cfg.rollout.sampler_dtype, module))
+            return HFGenerator(module, self.tokenizer, **decode_settings(cfg.rollout.sampler_dtype, module))
         if cfg.sampler == "vllm":
             return self._open_vllm()
         if cfg.sampler == "vllm-colocated":
@@ -518,7 +520,8 @@ class Trainer:
         update, a bf16 HF sampler, a llama.cpp or vLLM sampler): then the PPO ratio's old logprobs
         are recomputed by the update's own forward and the sampler's only weight the loss
         (truncated importance sampling, `tis_cap`), never standing in for the policy's."""
-        hf_exact = all(decode_dtype(self.cfg.rollout.sampler_dtype, m) is None for m in self._full_models().values())
+        exact = {"dtype": None, "int8": False}
+        hf_exact = all(decode_settings(self.cfg.rollout.sampler_dtype, m) == exact for m in self._full_models().values())
         return self.cfg.sampler != "hf" or self.accelerator.mixed_precision != "no" or not hf_exact
 
     def _optimize(self, name: str, model: Any, rows: list) -> dict[str, float]:
