@@ -393,6 +393,12 @@ def main() -> None:
         results["greedy"] = same_greedy_actions(model, tokenizer)
     if "step" not in args.skip:
         results["step"] = step(args)
+    # The matmul peak again at the end, and the better of the two: a shared machine measured once
+    # can read low (the first run of this script measured 104 GFLOP/s fp32 at the start, while its
+    # prefill alone then ran at 154% of that "bound").
+    again = machine(model)
+    results["machine"] = {k: max(v, again[k]) for k, v in results["machine"].items()}
+    print(f"machine at the end: {again}", flush=True)
     results["seconds"] = time.perf_counter() - start
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))

@@ -35,13 +35,7 @@ GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0)
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """A tiny model gains nothing from intra-op threads, and on a shared CPU they thrash (~4x slower)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,7 @@ from envace.backends.lean import INT8_MAX_ROWS, LeanWeights, decode_settings, le
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

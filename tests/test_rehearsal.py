@@ -354,18 +354,6 @@ def test_guard_cost_is_accounted_in_the_committed_run(tokenizer):
 # ---- end to end on the real default model ------------------------------------------------------
 
 
-@pytest.fixture
-def one_thread():
-    """Decoding a 135M model at batch <= 2 gains little from a second thread, while OpenMP threads
-    spin-wait badly when other jobs share the cores (10x slower, measured on a busy 2-core box)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.slow
 def test_parallel_rehearsal_and_guard_on_the_default_model(one_thread):
     """Parallel rehearsal (N=2) and the guard with SmolLM2-135M, small limits (< 3 min on 2 CPUs)."""

@@ -7,7 +7,9 @@ Session state
     plus `new_tokens[i]`: the prefix is never re-encoded.
 
 One call = one batch
-    The listed sessions are merged into one `DynamicCache`: past caches are left-padded to the
+    For Llama-family models the batch is `lean.StaticBatch` (a cache allocated once per call and
+    written in place, the same left-padded layout; see lean.py). Otherwise the listed sessions
+    are merged into one `DynamicCache` run by transformers' forward (`_Batch`): past caches are left-padded to the
     longest past, the new chunks are left-padded to the longest chunk, and a 2-D attention mask
     marks real positions (pads are 0). Position ids come from the mask's cumulative sum, so RoPE
     sees each row's true positions wherever its padding sits. Rows that finish are cut out of the

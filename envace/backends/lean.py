@@ -20,6 +20,8 @@ Numerics
     (greedy decodes are token-identical; tests compare both). In bf16 the sampler's distribution is
     the bf16 model's: the logprobs it returns are that distribution's, and a trainer must treat them
     as another policy's (recompute + truncated importance weights; `envace.training.trainer`).
+    With int8 copies (`--sampler-dtype int8`), matmuls of at most INT8_MAX_ROWS rows use the
+    int8 weights: each token's logprob is that of the weights that drew it.
 
 Weight refresh
     The packed copies are rebuilt whenever any parameter of the live module changed: every in-place
