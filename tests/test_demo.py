@@ -1,7 +1,7 @@
 import pytest
 
 from envace.config import ConfigError, build
-from envace.demo import DemoConfig, run_demo
+from envace.demo import DemoConfig, in_fresh_process, run_demo
 
 
 def test_demo_config_validation():
@@ -34,3 +34,16 @@ def test_demo_pipeline_end_to_end_on_a_tiny_model(tmp_path):
     assert summary["train"]["chain_world_executions"]["sft_data"] > 0  # and so is the warm start's data
     assert (tmp_path / "report.html").read_text().count("<table>") >= 2
     assert summary["stages"]["SFT + rehearsal GRPO, rehearse mode"]["overall"]["real_env_calls"] == 0
+    assert set(summary["peak_rss_gib"]) == set(summary["timings_s"]) and all(v > 0 for v in summary["peak_rss_gib"].values())
+    assert "| stage | seconds | peak RSS GiB |" in report
+
+
+def test_each_demo_stage_runs_in_a_fresh_process_and_reports_its_peak_memory():
+    """A stage's memory is the system's again when it ends: the stage ran in another process,
+    whose own peak RSS comes back with the result (and an error comes back as itself)."""
+    import os
+
+    pid, peak = in_fresh_process(os.getpid)
+    assert pid != os.getpid() and 0 < peak < 64
+    with pytest.raises(ZeroDivisionError):
+        in_fresh_process(divmod, 1, 0)

@@ -194,8 +194,8 @@ def test_int8_decode_uses_the_int8_copies_for_small_batches_only(tokenizer, prom
 
 @pytest.mark.slow
 def test_lean_path_on_the_default_model_matches_transformers():
-    """The real SmolLM2-135M: fp32 lean greedy decodes equal transformers' on a batch; bf16 logprobs
-    of the same tokens stay within the bound docs/performance.md states."""
+    """The real SmolLM2-135M: fp32 lean greedy decodes equal transformers' on a batch; the bf16
+    model's logprobs of those tokens stay near fp32's (mean |difference| < 0.05)."""
     from envace.backends import load_model
 
     model, tokenizer = load_model("default")
@@ -206,9 +206,13 @@ def test_lean_path_on_the_default_model_matches_transformers():
     reference = run(HFGenerator(model, tokenizer, lean=False), [prompts], params)[0]
     fast = run(HFGenerator(model, tokenizer), [prompts], params)[0]
     assert [c.token_ids for c in fast] == [c.token_ids for c in reference]
-    gen = HFGenerator(model, tokenizer, dtype=torch.bfloat16)
-    ids = gen.open(len(prompts))
-    # Score the fp32 greedy tokens under bf16 by feeding them as a prompt continuation.
-    for prompt, ref, session in zip(prompts, reference, ids):
-        [out] = gen.generate([session], [prompt], SamplingParams(max_new_tokens=1, temperature=0.0))
-        assert abs(out.logprobs[0] - ref.logprobs[0]) < 0.1
+    # The fp32 greedy tokens scored by the bf16 lean model, position by position.
+    weights = LeanWeights(model, torch.bfloat16).current()
+    gaps = []
+    for prompt, ref in zip(prompts, reference):
+        sequence = prompt + ref.token_ids
+        for j, expected in zip(range(len(prompt), len(sequence)), ref.logprobs):
+            batch = lean.StaticBatch(weights, [sequence[:j]], [None], 0, torch.device("cpu"), max_new_tokens=0)
+            gaps.append(abs(torch.log_softmax(batch.forward()[0], -1)[sequence[j]].item() - expected))
+    # docs/performance.md measured 0.018 mean, 0.134 max on 10 rollouts
+    assert sum(gaps) / len(gaps) < 0.05 and max(gaps) < 0.4
