@@ -138,6 +138,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                                 difficulty=cfg.difficulty, output_dir=str(root / "sft"), **common))
     train = build(TrainConfig, dict(model=cfg.model, variant="envace", steps=cfg.rl_steps, tasks_per_step=cfg.rl_tasks_per_step, k=cfg.rl_k,
                                     lr=cfg.rl_lr, reward=cfg.rl_reward, difficulty=cfg.difficulty, output_dir=str(root / "train"), save_every=cfg.rl_steps,
+                                    # one task group (~1.5-3k packed tokens) per micro-batch: the GRPO stage peaked at 8.9 GiB with
+                                    # 4096, 5.1 GiB with this (measured, docs/training.md), for the same update
+                                    micro_batch_tokens=1024,
                                     rollout=dict(max_turn_tokens=cfg.max_turn_tokens, max_rehearse_tokens=128), **common))
     stages = {} if cfg.tiny else {BASE: evaluate("base", cfg.model)}  # a tiny model has no base to evaluate
     warm = stage("warm start (SFT on real-world trajectories)", run_sft, sft)["final_model"]
