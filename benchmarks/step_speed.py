@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -212,6 +211,7 @@ def step_child(settings: dict[str, Any]) -> None:
     with the process's peak RSS."""
     from envace.backends import hf
     from envace.config import build
+    from envace.demo import peak_rss_gib
     from envace.training.trainer import TrainConfig, Trainer
 
     settings = dict(settings)
@@ -223,15 +223,6 @@ def step_child(settings: dict[str, Any]) -> None:
     metrics = Trainer(cfg).train_step()
     metrics["peak_rss_gib"] = peak_rss_gib()
     print("STEP_METRICS " + json.dumps(metrics))
-
-
-def peak_rss_gib() -> float:
-    """This process's peak resident memory. VmHWM, not getrusage's ru_maxrss, which a child
-    inherits from the parent it was forked from (here: a parent holding several engines)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def alternating(task: Any, traj: Any, ctx: Any) -> tuple[float, dict]:

@@ -216,3 +216,13 @@ def test_lean_path_on_the_default_model_matches_transformers():
             gaps.append(abs(torch.log_softmax(batch.forward()[0], -1)[sequence[j]].item() - expected))
     # docs/performance.md measured 0.018 mean, 0.134 max on 10 rollouts
     assert sum(gaps) / len(gaps) < 0.05 and max(gaps) < 0.4
+
+
+def test_int8_on_a_gpu_machine_fails_at_validation(monkeypatch):
+    from envace.config import ConfigError
+    from envace.rollout import RolloutConfig
+
+    RolloutConfig(sampler_dtype="int8").validate()  # this CPU machine: fine
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ConfigError, match="int8 runs torch's CPU int8 kernel.*use bf16"):
+        RolloutConfig(sampler_dtype="int8").validate()

@@ -195,8 +195,9 @@ class LeanWeights:
         self.rebuilds += 1
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [batch, seq, 1, head_dim] for position ids [batch, seq] (the model's own rotary module)."""
-        cos, sin = self.rotary(self.embed[:1], positions)  # the model's rotary module (any rope variant)
+        """cos, sin [batch, seq, 1, head_dim] for position ids [batch, seq], from the model's own rotary
+        module (so every rope variant it implements)."""
+        cos, sin = self.rotary(self.embed[:1], positions)
         return cos.to(self.dtype)[:, :, None], sin.to(self.dtype)[:, :, None]
 
 
@@ -245,7 +246,7 @@ class StaticBatch:
         self.pad_id = pad_id
         self.live = list(range(rows))  # internal row of each row the caller sees
 
-    def forward(self, model: Any = None) -> torch.Tensor:
+    def forward(self) -> torch.Tensor:
         """Run the pending input; returns float32 next-token logits [live rows, vocab]."""
         start, n = self.length, self.input_ids.shape[1]
         end = start + n

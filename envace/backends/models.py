@@ -17,6 +17,7 @@ seconds. Hub names cannot be downloaded here: download them elsewhere and pass t
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -99,8 +100,10 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+@functools.cache
 def native_bf16() -> bool:
-    """Whether this machine computes bf16 matmuls natively (not emulated in fp32)."""
+    """Whether this machine computes bf16 matmuls natively (not emulated in fp32). A machine fact,
+    read once: the trainer asks every step (`Trainer.numerics_differ`)."""
     if torch.cuda.is_available():
         return torch.cuda.is_bf16_supported()
     try:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
 from envace.config import ConfigError, field
 
 # recorded: the task's recorded reference answers (world-free SFT data, in the real-mode layout).
@@ -45,5 +47,7 @@ class RolloutConfig:
             raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.sampler_dtype == "int8" and torch.cuda.is_available():
+            raise ConfigError("--sampler-dtype int8 runs torch's CPU int8 kernel, and this machine samples on its GPU: use bf16 (or auto)")
         if self.max_active is not None and self.max_active < 0:
             raise ConfigError(f"max_active must be >= 1, or 0 for all at once, got {self.max_active}")

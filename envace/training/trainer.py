@@ -418,15 +418,13 @@ class Trainer:
         trained model's; a frozen one never changes) and seeded with this step's seed, so the
         samples depend on (seed, step, process, stream) only, resumed or not."""
         from envace.backends.base import PolicyWeights
-        from envace.backends.hf import HFGenerator
 
         name = next((k for k, m in self.models.trained.items() if m is model), None)
         trained = name is not None
         module = self._full_models()[name] if trained else model
         generator = self.generators.get(stream)
         if generator is None:
-            generator = self.generators[stream] = self._open_sampler(module) if trained else \
-                HFGenerator(module, self.tokenizer, **decode_settings(self.cfg.rollout.sampler_dtype, module))
+            generator = self.generators[stream] = self._open_sampler(module) if trained else self._hf_generator(module)
         if trained and generator.weights_version != self.step:
             generator.sync_weights(PolicyWeights(module, version=self.step))
         generator.set_seed(sampling_seed(self.cfg.seed, self.step, self.accelerator.process_index, stream))
@@ -435,11 +433,9 @@ class Trainer:
     def _open_sampler(self, module: Any) -> Any:
         """The rollout engine of a trained model (`--sampler`): every episode of a step is in
         flight at once, so it holds tasks_per_step x K sessions of up to max_total_tokens."""
-        from envace.backends.hf import HFGenerator
-
         cfg = self.cfg
         if cfg.sampler == "hf":
-            return HFGenerator(module, self.tokenizer, **decode_settings(cfg.rollout.sampler_dtype, module))
+            return self._hf_generator(module)
         if cfg.sampler == "vllm":
             return self._open_vllm()
         if cfg.sampler == "vllm-colocated":
@@ -449,6 +445,12 @@ class Trainer:
         dtype = "f32" if cfg.rollout.sampler_dtype == "auto" else cfg.rollout.sampler_dtype  # numerics closest to the update's
         return LlamaCppGenerator(module, self.tokenizer, cfg.model, dtype=dtype, max_sessions=cfg.tasks_per_step * cfg.k,
                                  n_ctx_per_session=cfg.rollout.max_total_tokens + 1, seed=cfg.seed)
+
+    def _hf_generator(self, module: Any) -> Any:
+        """A local sampler of `module` in the --sampler-dtype numerics (trained or frozen model)."""
+        from envace.backends.hf import HFGenerator
+
+        return HFGenerator(module, self.tokenizer, **decode_settings(self.cfg.rollout.sampler_dtype, module))
 
     def _open_vllm(self) -> Any:
         """The --vllm-url server, checked. Its weights version is unknown (-1: it was started from
