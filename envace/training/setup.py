@@ -38,9 +38,10 @@ class TrainingOptions:
     precision: Literal["auto", "fp32", "bf16"] = field(
         "auto", help="forward/backward precision: bf16 autocast over fp32 master weights, fp32, or auto = bf16 where the "
         "hardware computes it natively (a GPU with bf16, a CPU with avx512_bf16 or AMX), fp32 elsewhere")
-    sharding: Literal["none", "fsdp2"] = field(
+    sharding: Literal["none", "fsdp2", "deepspeed-zero3"] = field(
         "none", help="none: every process holds the whole model (DDP under accelerate launch); fsdp2: parameters, gradients and "
-        "optimizer state sharded over the processes (torch's fully_shard per decoder layer; docs/scaling.md)")
+        "optimizer state sharded over the processes (torch's fully_shard per decoder layer); deepspeed-zero3: the same split by "
+        "DeepSpeed ZeRO-3 (pip install 'envace[deepspeed]'); docs/scaling.md")
     activation_checkpointing: bool = field(False, help="recompute each decoder layer's activations in the backward pass (less memory, about 1.3x the compute)")
     seed: int = field(0, help="random seed")
     output_dir: str | None = field(None, help="run directory (default runs/<command>-<time>)")
@@ -116,23 +117,43 @@ def load_trainable(spec: str, lora_r: int, lora_alpha: int, device: Any, tiny: b
 
 
 def check_sharding(accelerator: Any, sharding: str) -> None:
-    """Before any model loads: FSDP2 splits the model over the processes of a distributed launch."""
-    if sharding == "fsdp2" and accelerator.num_processes == 1:
-        raise ConfigError("--sharding fsdp2 splits the model over the processes of a distributed launch, and this is one process: "
+    """Before any model loads: sharding splits the model over the processes of a distributed
+    launch; ZeRO-3 needs the `deepspeed` extra. envace shards with DeepSpeed itself, so a launch
+    with accelerate's DeepSpeed integration on (whose engine envace's loop does not drive) is refused."""
+    import os
+
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        raise ConfigError("this was launched with an accelerate config whose distributed_type is DEEPSPEED; envace runs DeepSpeed "
+                          "itself: launch with distributed_type MULTI_GPU (configs/accelerate/deepspeed-zero3.yaml) and pass "
+                          "--sharding deepspeed-zero3")
+    if sharding == "deepspeed-zero3":
+        from envace.training.zero3 import require_deepspeed
+
+        require_deepspeed()
+    if sharding != "none" and accelerator.num_processes == 1:
+        raise ConfigError(f"--sharding {sharding} splits the model over the processes of a distributed launch, and this is one process: "
                           "start it with `accelerate launch --num_processes N` or `torchrun --nproc_per_node N`, or drop --sharding")
 
 
 def prepare_trainable(accelerator: Any, model: torch.nn.Module, cfg: TrainingOptions, total_steps: int) -> tuple[Any, Any, Any, Any]:
     """(model, optimizer, scheduler, full copy or None) for a loaded model. Replicated: model and
-    optimizer go through accelerate (DDP under `accelerate launch`). `--sharding fsdp2`: the
-    model is sharded (`envace.training.sharding`) after a full copy is taken, for rollouts and
-    checkpoints. The scheduler steps once per training step whatever the number of processes."""
+    optimizer go through accelerate (DDP under `accelerate launch`). Sharded: a full copy is
+    taken first, for rollouts and checkpoints; `fsdp2` shards the model in place
+    (`envace.training.sharding`), `deepspeed-zero3` returns the ZeRO-3 engine as the model
+    (`envace.training.zero3`; its torch optimizer, which the schedule drives, steps the engine's
+    fp32 partitions). The scheduler steps once per training step whatever the number of processes."""
+    from envace.training import zero3
     from envace.training.sharding import UnshardedCopy, shard
 
     if cfg.sharding == "fsdp2":
         copy = UnshardedCopy.of(model)  # before sharding: it starts from the same weights
         optimizer = make_optimizer(shard(model), cfg)
         return model, optimizer, make_scheduler(optimizer, cfg, total_steps), copy
+    if cfg.sharding == "deepspeed-zero3":
+        copy = UnshardedCopy.of(model)
+        optimizer = make_optimizer(model, cfg)
+        engine = zero3.shard(model, optimizer, cfg.grad_clip)
+        return engine, optimizer, make_scheduler(optimizer, cfg, total_steps), copy
     model, optimizer = accelerator.prepare(model, make_optimizer(model, cfg))
     return model, optimizer, make_scheduler(optimizer, cfg, total_steps), None
 
@@ -187,12 +208,12 @@ def backward_micro_batches(accelerator: Any, model: Any, rows: list[Row | Packed
     returns each micro-batch's metrics. Under DDP the gradients are all-reduced once, with the
     last micro-batch (`no_sync` before it), so processes holding different numbers of
     micro-batches stay in step; a process with no rows backpropagates a zero-loss padding row
-    so that it still joins that all-reduce. A sharded model (`--sharding fsdp2`) all-gathers in
+    so that it still joins that all-reduce. A sharded model (`--sharding fsdp2`, `deepspeed-zero3`) all-gathers in
     every forward, so every process runs as many micro-batches as the busiest (padding ones of
     zero loss). `share_prefix` packs the rows of each
     `prefix_group` first (`pack_shared_prefixes`): one forward per micro-batch still, the same
     [B, T] batch for `loss_fn`, fewer forwarded tokens."""
-    from envace.training.sharding import is_sharded, lockstep_count
+    from envace.training.sharding import backward, is_sharded, lockstep_count
 
     units = pack_shared_prefixes(rows) if share_prefix else rows
     sharded = is_sharded(model)
@@ -200,11 +221,11 @@ def backward_micro_batches(accelerator: Any, model: Any, rows: list[Row | Packed
     metrics = []
     for i, chunk in enumerate(chunks):
         batch = collate(chunk, pad_id).to(accelerator.device)
-        # FSDP2 reduce-scatters after every micro-batch: deferring it would hold unsharded gradients.
+        # FSDP2 and ZeRO-3 reduce-scatter after every micro-batch: deferring it would hold unsharded gradients.
         with contextlib.nullcontext() if sharded or i == len(chunks) - 1 else accelerator.no_sync(model):
             with accelerator.autocast():
                 loss, m = loss_fn(batch)
-            accelerator.backward(loss)
+            backward(accelerator, model, loss)
         metrics.append(m)
     return metrics
 

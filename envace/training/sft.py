@@ -30,7 +30,7 @@ from envace.rewards import Context, compute_rewards
 from envace.rollout import RolloutConfig, RolloutEngine
 from envace.training.setup import (TrainingOptions, backward_micro_batches, check_resume, check_sharding, load_trainable, make_accelerator,
                                    global_sum, prepare_trainable, seed_everything, shared_run_dir)
-from envace.training.sharding import checkpointed_optimizer, clip_grad_norm
+from envace.training.sharding import checkpointed_optimizer, clip_and_step
 from envace.transcript import compact_json
 from envace.types import CallStatus, EndReason, Role, Task, Trajectory
 
@@ -172,8 +172,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
         # Every process draws the same rows and trains on its own share of them.
         share = chunk[accelerator.process_index :: accelerator.num_processes]
         loss = nll_step(model, share, tokenizer.pad_token_id, cfg.micro_batch_tokens, accelerator)
-        grad_norm = clip_grad_norm([p for p in model.parameters() if p.requires_grad], cfg.grad_clip)
-        optimizer.step()
+        grad_norm = clip_and_step(model, optimizer, cfg.grad_clip)
         scheduler.step()
         step += 1
         if logger is not None:

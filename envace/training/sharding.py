@@ -17,6 +17,10 @@ this module does instead:
 - save or load `save_pretrained` files and optimizer states directly: the copy (gathered)
   writes the model files in an unsharded run's layout, and `FullOptimizerState` gathers
   AdamW's state to the main process (and scatters it back on resume).
+
+`--sharding deepspeed-zero3` (envace/training/zero3.py) uses the same copy, lockstep and
+checkpoint layout; the functions here pick per model (`is_zero3`) or per parameter
+(`zero3.is_partitioned`) what differs: DeepSpeed's engine, backward, step and full-value calls.
 """
 
 from __future__ import annotations
@@ -30,9 +34,19 @@ from envace.config import ConfigError
 
 
 def is_sharded(model: Any) -> bool:
+    """FSDP2 (`fully_shard`) or a DeepSpeed ZeRO-3 engine (`envace.training.zero3`)."""
     from torch.distributed.fsdp import FSDPModule
 
-    return isinstance(model, FSDPModule)
+    from envace.training.zero3 import is_zero3
+
+    return isinstance(model, FSDPModule) or is_zero3(model)
+
+
+def _module(model: Any) -> torch.nn.Module:
+    """The model a sharding wrapper holds: a ZeRO-3 engine's module (fully_shard shards in place)."""
+    from envace.training.zero3 import is_zero3
+
+    return model.module if is_zero3(model) else model
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -65,7 +79,24 @@ def shard(model: torch.nn.Module) -> torch.nn.Module:
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    from envace.training import zero3
+
+    if isinstance(tensor, DTensor):
+        return tensor.full_tensor()
+    return zero3.full_value(tensor) if zero3.is_partitioned(tensor) else tensor
+
+
+def _set_full(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from envace.training import zero3
+
+    if isinstance(param, DTensor):
+        param.copy_(distribute_tensor(value.to(param.device), param.device_mesh, param.placements))
+    elif zero3.is_partitioned(param):
+        zero3.set_full_value(param, value)
+    else:
+        param.copy_(value)
 
 
 class UnshardedCopy:
@@ -88,8 +119,8 @@ class UnshardedCopy:
         return cls(module)
 
     def _pairs(self, sharded: torch.nn.Module) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
-        # fully_shard keeps the module tree and parameter names, so the two enumerate alike.
-        mine, theirs = dict(self.module.named_parameters()), dict(sharded.named_parameters())
+        # fully_shard and ZeRO-3 keep the module tree and parameter names, so the two enumerate alike.
+        mine, theirs = dict(self.module.named_parameters()), dict(_module(sharded).named_parameters())
         if mine.keys() != theirs.keys():
             raise RuntimeError("the rollout copy no longer matches the sharded model's parameters")
         return [(mine[name], theirs[name]) for name in theirs]
@@ -103,13 +134,8 @@ class UnshardedCopy:
 
     @torch.no_grad()
     def load_into(self, sharded: torch.nn.Module) -> None:
-        from torch.distributed.tensor import DTensor, distribute_tensor
-
         for mine, theirs in self._pairs(sharded):
-            if isinstance(theirs, DTensor):
-                theirs.copy_(distribute_tensor(mine.detach().to(theirs.device), theirs.device_mesh, theirs.placements))
-            else:
-                theirs.copy_(mine)
+            _set_full(theirs, mine.detach())
 
 
 class FullOptimizerState:
@@ -135,13 +161,34 @@ class FullOptimizerState:
 def checkpointed_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
     """What a checkpoint saves and restores for `optimizer` (`state_dict` / `load_state_dict`):
     the optimizer itself, or for a sharded model its state in one piece."""
+    from envace.training.zero3 import ZeroOptimizerState, is_zero3
+
+    if is_zero3(model):
+        return ZeroOptimizerState(model)
     return FullOptimizerState(model, optimizer) if is_sharded(model) else optimizer
 
 
-def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float) -> float:
-    """Clip by the global gradient norm over every shard (torch computes it on DTensors: each
-    process's partial norm, reduced), returned as a float."""
-    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+def backward(accelerator: Any, model: Any, loss: torch.Tensor) -> None:
+    """One micro-batch's backward: through the ZeRO-3 engine, which reduce-scatters the gradients
+    into its partitions, or through accelerate (DDP, FSDP2)."""
+    from envace.training.zero3 import is_zero3
+
+    if is_zero3(model):
+        model.backward(loss)
+    else:
+        accelerator.backward(loss)
+
+
+def clip_and_step(model: Any, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
+    """Clip the trained parameters' gradients by their global norm and step the optimizer; the
+    norm before clipping. Over every shard: torch computes the norm on FSDP2's DTensors (each
+    process's partial norm, reduced); a ZeRO-3 engine clips in its own step."""
+    from envace.training import zero3
+
+    if zero3.is_zero3(model):
+        return zero3.step(model)
+    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
+    optimizer.step()
     return float(_full(norm))
 
 

@@ -36,7 +36,7 @@ from envace.backends.lean import decode_settings
 from envace.backends.open import check_models, open_generator
 from envace.rewards import Context, compute_rewards, judge_missing, reward_names, runs_world
 from envace.rollout import RolloutConfig, RolloutEngine
-from envace.training.sharding import UnshardedCopy, checkpointed_optimizer, clip_grad_norm, lockstep_count
+from envace.training.sharding import UnshardedCopy, checkpointed_optimizer, clip_and_step, lockstep_count
 from envace.training.variants import VARIANTS, variants_help
 from envace.training.setup import (TrainingOptions, backward_micro_batches, check_resume, check_sharding, load_trainable, make_accelerator,
                                    global_sum, prepare_trainable, seed_everything, shared_run_dir, timed)
@@ -299,7 +299,7 @@ class Models:
     schedulers: dict[str, Any]
     simulator: Any = None  # frozen, for a variant whose simulator model answers tool calls
     reference: Any = None  # frozen initial policy, for the KL term
-    # --sharding fsdp2: each trained model's full copy, which rollouts sample from and checkpoints save.
+    # --sharding fsdp2 or deepspeed-zero3: each trained model's full copy, which rollouts sample from and checkpoints save.
     unsharded: dict[str, UnshardedCopy] = dataclass_field(default_factory=dict)
 
     @property
@@ -563,8 +563,7 @@ class Trainer:
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + (v if k == "loss" or k.startswith("tokens") else v * m[_token_key(k)])
         sums = {k: v if k == "loss" or k.startswith("tokens") else v / max(sums[_token_key(k)], 1.0) for k, v in sums.items()}
-        grad_norm = clip_grad_norm([p for p in model.parameters() if p.requires_grad], cfg.grad_clip)
-        optimizer.step()
+        grad_norm = clip_and_step(model, optimizer, cfg.grad_clip)
         scheduler.step()
         forwarded = forwarded_tokens(pack_shared_prefixes(rows) if cfg.share_prefix else rows)
         return sums | {"grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0], "trained_tokens": float(total), "skipped_update": 0.0,
