@@ -68,7 +68,7 @@ if [ "$SMOKE" != 1 ] && "$PY" -c "import vllm" 2> /dev/null; then
   MODEL_DIR=$("$PY" -c "import sys; from envace.backends.models import resolve_model; print(resolve_model(sys.argv[1]))" "$MODEL")
   # A third of the GPU for the server: the trainer's weights, optimizer and activations share it.
   VLLM_SERVER_DEV_MODE=1 "$PY" -m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" --host 127.0.0.1 --port "$PORT" \
-    --dtype bfloat16 --max-model-len 4096 --gpu-memory-utilization 0.3 --weight-transfer-config '{"backend": "envace_file"}' \
+    --dtype bfloat16 --max-model-len 4096 --gpu-memory-utilization 0.3 --weight-transfer-config '{"backend": "envace_file"}' --enable-prompt-tokens-details \
     > "$OUT_DIR/vllm-server.log" 2>&1 &
   server=$!
   trap 'kill $server 2> /dev/null || true' EXIT

@@ -40,6 +40,7 @@ class DemoConfig:
     rl_tasks_per_step: int = field(3, help="tasks per GRPO step")
     rl_k: int = field(4, help="rollouts per task")
     rl_lr: float = field(2e-5, help="GRPO learning rate (1e-4 lowered tool F1 and success in 3 steps; docs/training.md)")
+    rl_temperature: float = field(1.0, help="sampling temperature of the GRPO rollouts (> 0; evaluation is greedy)")
     rl_reward: str = field("partial", help="GRPO reward: partial (the verifier's partial credit: signal before a task is solved) or replay (0/1)")
     difficulty: int = field(1, help="task difficulty for training and evaluation")
     eval_rehearse: bool = field(False, help="also evaluate the trained model in rehearse mode (fidelity on the test tasks; training logs it per step)")
@@ -52,7 +53,7 @@ class DemoConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.rl_k < 2:
             raise ConfigError(f"rl_k must be >= 2 for a group baseline, got {self.rl_k}")
-        for name in ("sft_lr", "rl_lr"):
+        for name in ("sft_lr", "rl_lr", "rl_temperature"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.rl_reward not in ("partial", "replay"):
@@ -61,7 +62,7 @@ class DemoConfig:
             raise ConfigError(f"difficulty must be 1, 2 or 3, got {self.difficulty}")
 
 
-def _evaluate(model: str, cfg: DemoConfig, mode: str, out: Path) -> dict[str, Any]:
+def evaluate_model(model: str, cfg: DemoConfig, mode: str, out: Path) -> dict[str, Any]:
     from envace.evaluation.runner import EvalConfig, run_eval
 
     # The test split holds the training worlds' test tasks and the held-out world's tasks.
@@ -112,10 +113,34 @@ def in_fresh_process(fn: Any, *args: Any) -> tuple[Any, float]:
         return pool.submit(_measured, fn, *args).result()
 
 
+def sft_config(cfg: DemoConfig, output_dir: Path) -> Any:
+    """The demo's warm start: SFT on trajectories executed in the real training worlds."""
+    from envace.training.sft import SFTConfig
+
+    return build(SFTConfig, dict(model=cfg.model, n_per_world=cfg.sft_per_world, epochs=cfg.sft_epochs, lr=cfg.sft_lr, rows_per_step=cfg.sft_rows_per_step,
+                                 difficulty=cfg.difficulty, output_dir=str(output_dir), tiny=cfg.tiny, seed=cfg.seed, progress=cfg.progress,
+                                 # one trajectory per micro-batch, as in the GRPO stage: the largest stage's peak is the demo's
+                                 micro_batch_tokens=1024,
+                                 # a checkpoint (weights + AdamW state, 1.6 GB) every 10 steps rather than after every step
+                                 save_every=10))
+
+
+def train_config(cfg: DemoConfig, output_dir: Path, init_from: str | None = None) -> Any:
+    """The demo's GRPO stage: the envace variant (rehearse mode, both roles trained)."""
+    from envace.training.trainer import TrainConfig
+
+    return build(TrainConfig, dict(model=cfg.model, init_from=init_from, variant="envace", steps=cfg.rl_steps, tasks_per_step=cfg.rl_tasks_per_step, k=cfg.rl_k,
+                                   lr=cfg.rl_lr, reward=cfg.rl_reward, difficulty=cfg.difficulty, output_dir=str(output_dir), save_every=cfg.rl_steps,
+                                   # one task group (~1.5-3k packed tokens) per micro-batch: the GRPO stage peaked at 8.9 GiB with
+                                   # 4096, 5.1 GiB with this (measured, docs/training.md), for the same update
+                                   micro_batch_tokens=1024, tiny=cfg.tiny, seed=cfg.seed, progress=cfg.progress,
+                                   rollout=dict(max_turn_tokens=cfg.max_turn_tokens, max_rehearse_tokens=128, temperature=cfg.rl_temperature)))
+
+
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     from envace.training.plots import story_plot
-    from envace.training.sft import SFTConfig, run_sft
-    from envace.training.trainer import TrainConfig, run_train
+    from envace.training.sft import run_sft
+    from envace.training.trainer import run_train
 
     root = Path(cfg.output_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -131,21 +156,13 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         return result
 
     def evaluate(name: str, model: str, mode: str = "real") -> dict[str, Any]:
-        return stage(f"evaluate {name}", _evaluate, model, cfg, mode, root / f"eval-{name}")
+        return stage(f"evaluate {name}", evaluate_model, model, cfg, mode, root / f"eval-{name}")
 
-    common = dict(tiny=cfg.tiny, seed=cfg.seed, progress=cfg.progress)
-    sft = build(SFTConfig, dict(model=cfg.model, n_per_world=cfg.sft_per_world, epochs=cfg.sft_epochs, lr=cfg.sft_lr, rows_per_step=cfg.sft_rows_per_step,
-                                difficulty=cfg.difficulty, output_dir=str(root / "sft"), **common))
-    train = build(TrainConfig, dict(model=cfg.model, variant="envace", steps=cfg.rl_steps, tasks_per_step=cfg.rl_tasks_per_step, k=cfg.rl_k,
-                                    lr=cfg.rl_lr, reward=cfg.rl_reward, difficulty=cfg.difficulty, output_dir=str(root / "train"), save_every=cfg.rl_steps,
-                                    # one task group (~1.5-3k packed tokens) per micro-batch: the GRPO stage peaked at 8.9 GiB with
-                                    # 4096, 5.1 GiB with this (measured, docs/training.md), for the same update
-                                    micro_batch_tokens=1024,
-                                    rollout=dict(max_turn_tokens=cfg.max_turn_tokens, max_rehearse_tokens=128), **common))
+    sft, train = sft_config(cfg, root / "sft"), train_config(cfg, root / "train")  # both checked before any model loads
     stages = {} if cfg.tiny else {BASE: evaluate("base", cfg.model)}  # a tiny model has no base to evaluate
     warm = stage("warm start (SFT on real-world trajectories)", run_sft, sft)["final_model"]
     stages[SFT] = evaluate("sft", warm)
-    train.init_from = warm  # built (and checked) before any model loads; the warm start exists only now
+    train.init_from = warm  # the warm start exists only now
     train_result = stage("train with world rehearsal (role-level GRPO)", run_train, train)
     trained = train_result["final_model"]
     stages[TRAINED] = evaluate("trained", trained)

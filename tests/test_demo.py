@@ -9,6 +9,8 @@ def test_demo_config_validation():
         build(DemoConfig, {"rl_k": 1})
     with pytest.raises(ConfigError, match="rl_reward"):
         build(DemoConfig, {"rl_reward": "judge"})
+    with pytest.raises(ConfigError, match="rl_temperature"):
+        build(DemoConfig, {"rl_temperature": 0.0})  # a greedy group has no advantages
 
 
 def test_default_demo_evaluates_at_least_40_tasks_across_all_worlds():

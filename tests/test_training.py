@@ -362,8 +362,24 @@ def test_each_step_reports_what_its_sampler_generated(tmp_path, task_file):
 def test_counted_metrics_are_summed_over_processes_the_rest_averaged():
     from envace.training.trainer import is_count
 
-    keys = ("policy/tokens/act", "policy/tokens", "malformed", "fidelity/calls", "policy/trained_tokens", "env/rollout_step", "reward/act", "tokens_per_task")
-    assert [is_count(k) for k in keys] == [True, True, True, True, False, False, False, False]
+    keys = ("policy/tokens/act", "policy/tokens", "malformed", "fidelity/calls", "sampler/policy-rehearse/generated_tokens", "sampler/policy-rehearse/syncs",
+            "policy/trained_tokens", "env/rollout_step", "reward/act", "tokens_per_task", "time/sampler/policy-rehearse/seconds")
+    assert [is_count(k) for k in keys] == [True] * 6 + [False] * 5
+
+
+def test_sampler_rates_come_from_the_counts_of_all_processes():
+    """Two processes: 100 and 200 tokens in 1 s and 3 s (clock mean 2 s), 100 prompt tokens looked
+    up with 0 hits and 300 with 100. The step's rates are 300 / 2 = 150 tokens/s and 100 / 400 =
+    0.25, not the mean of the processes' rates (0.167)."""
+    from envace.training.trainer import sampler_rates
+
+    summed = {"sampler/policy-rehearse/generated_tokens": 300.0, "time/sampler/policy-rehearse/seconds": 2.0,
+              "sampler/policy-rehearse/prefix_cache_queries": 400.0, "sampler/policy-rehearse/prefix_cache_hits": 100.0,
+              "sampler/simulator/generated_tokens": 0.0, "time/sampler/simulator/seconds": 0.0}
+    rates = sampler_rates(summed)
+    assert rates["time/sampler/policy-rehearse/generated_tokens_per_s"] == 150.0
+    assert rates["sampler/policy-rehearse/prefix_cache_hit_rate"] == 0.25
+    assert "time/sampler/simulator/generated_tokens_per_s" not in rates and "sampler/simulator/prefix_cache_hit_rate" not in rates
 
 
 def test_on_malformed_reaches_the_rollout_config(task_file):

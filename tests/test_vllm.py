@@ -96,6 +96,42 @@ def test_a_new_server_generator_knows_no_weights_version(tokenizer):
     assert VLLMServerGenerator("http://127.0.0.1:9/v1", tokenizer, model="m").weights_version == -1
 
 
+def test_a_generator_that_does_not_push_only_records_the_version(tokenizer):
+    """The training processes other than the main one share its server: their sync sends nothing
+    (the port is closed, so any request would fail) and counts no push."""
+    from envace.backends.models import tiny_model
+
+    follower = VLLMServerGenerator(f"http://127.0.0.1:{free_port()}/v1", tokenizer, model="m", pushes_weights=False)
+    follower.sync_weights(PolicyWeights(tiny_model(tokenizer), version=3))
+    assert follower.weights_version == 3 and follower.stats.extra["syncs"] == 0 and follower.stats.extra["sync_bytes"] == 0
+    follower.open(1)
+    with pytest.raises(StaleSessionsError):  # the same rule as a push: no session sampled from older weights stays open
+        follower.sync_weights(PolicyWeights(tiny_model(tokenizer), version=4))
+    follower.shutdown()
+
+
+def test_prefix_cache_hits_are_counted_per_request_from_the_usage(tokenizer, monkeypatch):
+    """Each request's own cached prompt tokens (vLLM's usage.prompt_tokens_details), not a
+    server-wide window that another process's requests would fall into. Prompts of 10 and 6
+    tokens with 8 and 0 cached: 16 looked up, 8 found, rate 0.5; a reply without the details
+    (server started without --enable-prompt-tokens-details) is counted as unreported."""
+    generator = VLLMServerGenerator("http://127.0.0.1:9/v1", tokenizer, model="m")
+    cached = {10: 8, 6: 0}
+
+    def answer(prompt, params, seed=None):
+        usage = {"prompt_tokens": len(prompt)} | ({"prompt_tokens_details": {"cached_tokens": cached[len(prompt)]}} if len(prompt) in cached else {})
+        return {"choices": [{"text": "", "logprobs": {"tokens": ["token_id:5"], "token_logprobs": [-0.5]}, "finish_reason": "length"}], "usage": usage}
+
+    monkeypatch.setattr(generator, "_post_completion", answer)
+    sessions = generator.open(2)
+    generator.generate(sessions, [[1] * 10, [2] * 6], SamplingParams(max_new_tokens=1))
+    assert (generator.stats.extra["prefix_cache_queries"], generator.stats.extra["prefix_cache_hits"]) == (16, 8)
+    assert generator.stats.extra["prefix_cache_hit_rate"] == 0.5 and generator.stats.extra["prefix_cache_unreported"] == 0
+    generator.generate(sessions[:1], [[3] * 3], SamplingParams(max_new_tokens=1))  # the session's 10 + 1 + 3 = 14 tokens: no details
+    assert generator.stats.extra["prefix_cache_unreported"] == 1 and generator.stats.extra["prefix_cache_queries"] == 16
+    generator.shutdown()
+
+
 def test_tied_weights_are_written_once(tmp_path, tokenizer):
     from safetensors import safe_open
 
@@ -261,7 +297,7 @@ def server():
                         "HF_HUB_OFFLINE": "1"}
     cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve_model("default")),
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "4096",
-           "--max-num-seqs", "8", "--weight-transfer-config", '{"backend": "envace_file"}']
+           "--max-num-seqs", "8", "--weight-transfer-config", '{"backend": "envace_file"}', "--enable-prompt-tokens-details"]
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"envace-test-vllm-{port}.log", "w")
     # Its own process group: the server's engine and worker processes go down with it.
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -408,6 +444,39 @@ def test_train_with_the_vllm_sampler_end_to_end(server, tmp_path):
     # One push per step through the trainer's one sync path: the first (version -1 -> 0) before
     # step 1's rollout, the second after its update.
     assert [m["sampler/policy-rehearse/syncs"] for m in metrics] == [1, 1]
+
+
+def server_counter(url: str, name: str) -> float:
+    """A server-wide Prometheus counter of the vLLM server at `url` (summed over its labels)."""
+    text = httpx.get(url[: -len("/v1")] + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[-1]) for line in text.splitlines() if line.partition("{")[0] == name)
+
+
+@vllm
+def test_two_training_processes_share_one_server(server, tmp_path):
+    """DDP with 2 gloo processes and one server: the main process pushes once per step, the other
+    samples only after that push (a barrier), and each counts its own prefix-cache lookups. At
+    lr 1e-3 one update moves the logprobs far more than the 0.01 bound, so a process that sampled
+    step 2 from the weights before the push would show a large mismatch there."""
+    url, _ = server
+    queried_before = server_counter(url, "vllm:prefix_cache_queries_total")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "envace.cli",
+           "train", "--sampler", "vllm", "--vllm-url", url, "--steps", "2", "--tasks-per-step", "2", "--k", "2", "--lr", "1e-3",
+           "--max-turns", "2", "--max-turn-tokens", "24", "--max-rehearse-tokens", "16", "--max-total-tokens", "1200",
+           "--n-per-world", "2", "--precision", "fp32", "--output-dir", str(tmp_path), "--no-progress", "--no-tensorboard",
+           "--reward", "tests.training_rewards:rollout_index"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=ROOT,
+                          env=os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(0 < m["policy/logprob_mismatch"] < 0.01 for m in metrics)  # both processes sampled from the pushed weights
+    assert [m["sampler/policy-rehearse/syncs"] for m in metrics] == [1, 1]  # summed over processes: the main one's pushes only
+    assert httpx.get(url[: -len("/v1")] + "/weight_info").json()["weight_version"] == "1"
+    # The two processes' own counts add up to what the server looked up in the run: none counted twice, none missed.
+    queried = sum(m["sampler/policy-rehearse/prefix_cache_queries"] for m in metrics)
+    assert queried == server_counter(url, "vllm:prefix_cache_queries_total") - queried_before > 0
+    assert all(m["sampler/policy-rehearse/prefix_cache_unreported"] == 0 for m in metrics)
 
 
 # ---- the colocated engine, in .venv-vllm ------------------------------------------------------

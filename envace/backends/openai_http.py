@@ -173,6 +173,10 @@ class OpenAIGenerator(ClientSessions):
         return body
 
     def _complete(self, prompt: list[int], params: SamplingParams, seed: int | None = None) -> Completion:
+        return self._parse(self._post_completion(prompt, params, seed)["choices"][0])
+
+    def _post_completion(self, prompt: list[int], params: SamplingParams, seed: int | None = None) -> dict[str, Any]:
+        """The server's JSON answer to one /completions request."""
         url = f"{self.base_url}/completions"
         try:
             response = self.client.post(url, json=self.request_body(prompt, params, seed))
@@ -180,7 +184,7 @@ class OpenAIGenerator(ClientSessions):
             raise _unreachable(self.base_url, f"POST {url}", err) from err
         if response.status_code != 200:
             raise RuntimeError(f"POST {url} returned {response.status_code}: {response.text[:500]}")
-        return self._parse(response.json()["choices"][0])
+        return response.json()
 
     def _parse(self, choice: dict[str, Any]) -> Completion:
         text = choice.get("text") or ""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -52,7 +53,7 @@ def serve_command(model: str = "default", port: int = 8000) -> str:
     path = model if Path(model).expanduser().is_dir() else (
         f"\"$(.venv/bin/python -c 'from envace.backends.models import resolve_model; print(resolve_model(\"{model}\"))')\"")
     return (f"VLLM_SERVER_DEV_MODE=1 .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server --model {path} "
-            f"--port {port} --dtype float32 --weight-transfer-config '{{\"backend\": \"{BACKEND}\"}}'")
+            f"--port {port} --dtype float32 --weight-transfer-config '{{\"backend\": \"{BACKEND}\"}}' --enable-prompt-tokens-details")
 
 
 class WeightSyncError(RuntimeError):
@@ -127,11 +128,18 @@ class _PushedWeights:
         self.stats.extra["sync_seconds"] += time.perf_counter() - start
         self.stats.extra["sync_bytes"] += size
 
+    def generate(self, sessions: list[int], new_tokens: list[list[int]], params: ParamsArg) -> list[Completion]:
+        """The sessions' next tokens (the transport's), and the call's prefix-cache hit rate."""
+        queries, hits = self.stats.extra["prefix_cache_queries"], self.stats.extra["prefix_cache_hits"]
+        completions = super().generate(sessions, new_tokens, params)  # type: ignore[misc]
+        queries, hits = self.stats.extra["prefix_cache_queries"] - queries, self.stats.extra["prefix_cache_hits"] - hits
+        self.stats.extra["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
+        return completions
+
     def _count_prefix_cache(self, queries: float, hits: float) -> None:
-        """One call's prompt tokens looked up in the prefix cache, and found there."""
+        """Prompt tokens looked up in the prefix cache, and found there."""
         self.stats.extra["prefix_cache_queries"] += int(queries)
         self.stats.extra["prefix_cache_hits"] += int(hits)
-        self.stats.extra["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
 
     def _init_transfer(self) -> None:
         raise NotImplementedError
@@ -147,15 +155,25 @@ class VLLMServerGenerator(_PushedWeights, OpenAIGenerator):
     """`OpenAIGenerator` on a vLLM server whose weights follow the trainer's policy.
 
     `base_url` ends in /v1; the weight routes are at the server's root. stats.extra as
-    `_PushedWeights`, the prefix cache's counts from the server's Prometheus counters (/metrics),
-    which are server-wide: another client's requests in the same window count too.
+    `_PushedWeights`, the prefix cache's counts from each request's cached prompt tokens, which
+    the server reports when started with --enable-prompt-tokens-details ("prefix_cache_unreported"
+    counts the requests without them).
+
+    `pushes_weights=False` makes a generator that samples from a server whose weights another
+    client pushes (the main training process, when several processes share one server): its
+    `sync_weights` only records the version, and the caller must order the other client's push
+    of that version before this generator's next call (the trainer runs a barrier). It never
+    initialises the server's transfer engine either, which would reset a push in progress.
     """
 
     def __init__(self, base_url: str, tokenizer: Any, model: str | None = None, transfer_dir: str | None = None,
-                 api_key: str | None = None, timeout: float = 300.0, max_concurrency: int = 64):
+                 api_key: str | None = None, timeout: float = 300.0, max_concurrency: int = 64, pushes_weights: bool = True):
         OpenAIGenerator.__init__(self, base_url, model, tokenizer, api_key=api_key, timeout=timeout, max_concurrency=max_concurrency)
         self.root = self.base_url[: -len("/v1")] if self.base_url.endswith("/v1") else self.base_url
+        self.pushes_weights = pushes_weights
         self._init_pushed_weights(transfer_dir)
+        self.stats.extra["prefix_cache_unreported"] = 0  # requests whose usage had no cached-token count (server flag missing)
+        self._count_lock = threading.Lock()
         self._transfer_ready = False
         # The server was started from model files, which need not be the trainer's weights (an
         # --init-from checkpoint, a resumed run): no version is known, so the first sync pushes.
@@ -172,13 +190,22 @@ class VLLMServerGenerator(_PushedWeights, OpenAIGenerator):
             if served.get("max_model_len") and served["max_model_len"] < max_total_tokens:
                 raise WeightSyncError(f"{self.base_url} serves {self.model} with max_model_len {served['max_model_len']}, "
                                       f"but rollouts reach {max_total_tokens} tokens: restart it with --max-model-len {max_total_tokens}")
-        self._init_transfer()
+        if self.pushes_weights:
+            self._init_transfer()
 
     def _served_model(self) -> dict[str, Any]:
         data = self.client.get(f"{self.base_url}/models").json().get("data", [])
         return next((m for m in data if m.get("id") == self.model), {})
 
     # ---- weights: vLLM's weight update routes ------------------------------------------
+    def sync_weights(self, weights: PolicyWeights) -> None:
+        if self.pushes_weights:
+            super().sync_weights(weights)
+            return
+        if open_sessions := self._open_sessions():
+            raise StaleSessionsError(f"sync_weights with {open_sessions} sessions open: close them first (their prefixes were sampled from the old weights)")
+        self.weights_version = weights.version  # pushed by another client, ordered before our next call by the caller
+
     def _init_transfer(self) -> None:
         if self._transfer_ready:
             return
@@ -212,27 +239,19 @@ class VLLMServerGenerator(_PushedWeights, OpenAIGenerator):
             raise WeightSyncError(f"POST {url} returned {response.status_code}: {response.text[:500]}" + (f"; {hint}" if hint else ""))
         return response
 
-    # ---- generation: the prefix cache's share of each call --------------------------------
-    def generate(self, sessions: list[int], new_tokens: list[list[int]], params: ParamsArg) -> list[Completion]:
-        before = self._prefix_counters()
-        completions = super().generate(sessions, new_tokens, params)
-        after = self._prefix_counters()
-        if before is not None and after is not None:
-            self._count_prefix_cache(after[0] - before[0], after[1] - before[1])
-        return completions
-
-    def _prefix_counters(self) -> tuple[float, float] | None:
-        """(queried, hit) prompt tokens of the server's prefix cache so far; None without /metrics."""
-        try:
-            text = self.client.get(f"{self.root}/metrics", timeout=10.0).text
-        except httpx.HTTPError:
-            return None
-        totals = {"vllm:prefix_cache_queries_total": 0.0, "vllm:prefix_cache_hits_total": 0.0}
-        for line in text.splitlines():
-            name, _, rest = line.partition("{")
-            if name in totals:
-                totals[name] += float(rest.rsplit(" ", 1)[-1])
-        return totals["vllm:prefix_cache_queries_total"], totals["vllm:prefix_cache_hits_total"]
+    # ---- generation: the prefix cache's share of each request -----------------------------
+    def _complete(self, prompt: list[int], params: SamplingParams, seed: int | None = None) -> Completion:
+        """One request, with its prompt's prefix-cache hits: the server reports each request's
+        cached prompt tokens (`usage.prompt_tokens_details`, with --enable-prompt-tokens-details),
+        so the counts are this client's own even when other processes share the server."""
+        body = self._post_completion(prompt, params, seed)
+        details = (body.get("usage") or {}).get("prompt_tokens_details")
+        with self._count_lock:  # requests complete on a thread pool
+            if details is None:
+                self.stats.extra["prefix_cache_unreported"] += 1
+            else:
+                self._count_prefix_cache(len(prompt), details.get("cached_tokens") or 0)
+        return self._parse(body["choices"][0])
 
 
 # ---- colocated mode -------------------------------------------------------------------------

@@ -323,8 +323,6 @@ class Trainer:
         if cfg.tasks_per_step % self.accelerator.num_processes:
             raise ConfigError(f"tasks_per_step ({cfg.tasks_per_step}) must be a multiple of the number of processes ({self.accelerator.num_processes})")
         check_sharding(self.accelerator, cfg.sharding)
-        if cfg.sampler == "vllm" and self.accelerator.num_processes > 1:
-            raise ConfigError("--sampler vllm drives one server from one trainer process; multi-process training with it is not implemented: use --sampler hf or llamacpp")
         if cfg.sampler == "vllm-colocated" and self.accelerator.num_processes > 1:
             raise ConfigError("--sampler vllm-colocated runs one vLLM engine in one trainer process; multi-process training with it is not implemented: use --sampler hf or llamacpp")
         self.dir = shared_run_dir(self.accelerator, cfg.output_dir, "train")
@@ -427,6 +425,10 @@ class Trainer:
             generator = self.generators[stream] = self._open_sampler(module) if trained else self._hf_generator(module)
         if trained and generator.weights_version != self.step:
             generator.sync_weights(PolicyWeights(module, version=self.step))
+            if self._shared_server:
+                # One server samples for every process and the main one pushed into it: no process
+                # may sample before that push is done.
+                self.accelerator.wait_for_everyone()
         generator.set_seed(sampling_seed(self.cfg.seed, self.step, self.accelerator.process_index, stream))
         return generator
 
@@ -452,14 +454,21 @@ class Trainer:
 
         return HFGenerator(module, self.tokenizer, **decode_settings(self.cfg.rollout.sampler_dtype, module))
 
+    @property
+    def _shared_server(self) -> bool:
+        """Several training processes sample from one --vllm-url server (DDP or sharded)."""
+        return self.cfg.sampler == "vllm" and self.accelerator.num_processes > 1
+
     def _open_vllm(self) -> Any:
         """The --vllm-url server, checked. Its weights version is unknown (-1: it was started from
         model files, while the trainer may start from --init-from or a resumed checkpoint), so
         `_generator` pushes this step's weights before any rollout; a server whose model does not
-        take them fails there."""
+        take them fails there. With several processes, the main one pushes (every process holds
+        the same weights after a step) and the others only sample."""
         from envace.backends.vllm import VLLMServerGenerator
 
-        generator = VLLMServerGenerator(self.cfg.vllm_url, self.tokenizer, transfer_dir=self.cfg.vllm_transfer_dir)
+        generator = VLLMServerGenerator(self.cfg.vllm_url, self.tokenizer, transfer_dir=self.cfg.vllm_transfer_dir,
+                                        pushes_weights=self.accelerator.is_main_process)
         generator.check_server(self.cfg.rollout.max_total_tokens)
         return generator
 
@@ -603,7 +612,7 @@ class Trainer:
         update, t_update = timed(lambda: self.update(groups))
         self.step += 1
         metrics |= update | {"time/rollout_s": t_rollout, "time/update_s": t_update, "time/rollout_share": t_rollout / max(t_rollout + t_update, 1e-9)}
-        metrics = self._global_metrics(metrics)
+        metrics = sampler_rates(self._global_metrics(metrics))
         if self.logger is not None:
             self.logger.log(self.step, metrics)
             self.logger.write_samples(self.step, [g[0] for g in groups[: self.cfg.samples_per_step]], self.tokenizer)
@@ -613,17 +622,13 @@ class Trainer:
 
     def _sampler_metrics(self, before: dict[str, dict[str, float]]) -> dict[str, float]:
         """What each generator did this step, as `sampler/<stream>/<count>`: tokens, calls, the
-        engine's own counts (weight syncs; vLLM's prefix-cache tokens, with the step's hit rate);
-        what the clock measured (seconds, generated tokens/s, sync seconds) goes under
-        `time/sampler/<stream>/`, with the step's other timings, since it differs between runs."""
+        engine's own counts (weight syncs; vLLM's prefix-cache tokens); what the clock measured
+        (seconds, sync seconds) goes under `time/sampler/<stream>/`, with the step's other
+        timings, since it differs between runs. The rates follow from these (`sampler_rates`)."""
         out = {}
         for stream, generator in self.generators.items():
             then = before.get(stream, {})
             step = {k: v - then.get(k, 0.0) for k, v in generator.stats.counters().items()}
-            if step["seconds"] > 0:
-                step["generated_tokens_per_s"] = step["generated_tokens"] / step["seconds"]
-            if step.get("prefix_cache_queries"):
-                step["prefix_cache_hit_rate"] = step["prefix_cache_hits"] / step["prefix_cache_queries"]
             out |= {f"{'time/' if _clocked(k) else ''}sampler/{stream}/{k}": v for k, v in step.items()}
         return out
 
@@ -700,15 +705,36 @@ def reward_component_means(groups: list[list[Trajectory]]) -> dict[str, float]:
     return {f"reward/{name}": sum(t.reward_components[name] for t in trajs) / len(trajs) for name in names}
 
 
+def sampler_rates(metrics: dict[str, float]) -> dict[str, float]:
+    """`metrics` with each sampler stream's rates for the step, from its counts over all processes
+    (so a rate is the whole step's, not a mean of the processes' rates): generated tokens per
+    second of the processes' mean rollout clock, and the prefix-cache hit rate."""
+    out = dict(metrics)
+    for key in metrics:
+        parts = key.split("/")
+        if parts[0] != "sampler" or parts[-1] != "generated_tokens":
+            continue
+        stream = "/".join(parts[1:-1])
+        seconds = metrics.get(f"time/sampler/{stream}/seconds", 0.0)
+        queries, hits = metrics.get(f"sampler/{stream}/prefix_cache_queries", 0.0), metrics.get(f"sampler/{stream}/prefix_cache_hits", 0.0)
+        if seconds > 0:
+            out[f"time/sampler/{stream}/generated_tokens_per_s"] = metrics[key] / seconds
+        if queries:
+            out[f"sampler/{stream}/prefix_cache_hit_rate"] = hits / queries
+    return out
+
+
 def _clocked(count: str) -> bool:
     return count == "seconds" or count.endswith(("_seconds", "_per_s"))
 
 
 def is_count(metric: str) -> bool:
-    """Metrics that count this process's things (tokens trained, malformed outputs), summed over
-    processes; `trained_tokens` and `env/*` are global already, and the rest are means."""
+    """Metrics that count this process's things (tokens trained, malformed outputs, its sampler's
+    tokens, calls and pushes), summed over processes; `trained_tokens` and `env/*` are global
+    already, and the rest (clock values among them) are means."""
     parts = metric.split("/")
-    return metric in ("malformed", "tool_exceptions", "fidelity/calls") or (len(parts) > 1 and parts[1] in ("tokens", "forwarded_tokens", "forwarded_tokens_unshared"))
+    return (metric in ("malformed", "tool_exceptions", "fidelity/calls") or parts[0] == "sampler"
+            or (len(parts) > 1 and parts[1] in ("tokens", "forwarded_tokens", "forwarded_tokens_unshared")))
 
 
 def _token_key(metric: str) -> str:

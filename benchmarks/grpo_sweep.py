@@ -1,0 +1,111 @@
+"""Which GRPO settings move the agent: the demo's GRPO stage from ONE warm start, one setting
+changed per row, each evaluated like the demo and compared task by task with the warm start
+(issue #13, "search before guessing").
+
+    python benchmarks/grpo_sweep.py --out runs/sweep                      # every row
+    python benchmarks/grpo_sweep.py --out runs/sweep --rows demo,lr-5e-5   # some rows
+    python benchmarks/grpo_sweep.py --out runs/sweep --warm runs/demo/sft/final   # reuse a warm start
+
+Stages (each in a fresh process, as in the demo; rerun the same command to continue: finished
+stages are kept in results.json):
+  1. the demo's SFT warm start (`envace demo`'s defaults), unless --warm names one
+  2. its greedy evaluation on the demo's 40 test tasks (8 per world, the held-out world's included)
+  3. per row: the demo's GRPO stage with the row's settings (envace variant, rehearse mode, the
+     partial-credit reward), evaluated on the same 40 tasks, compared with the warm start task by
+     task (paired bootstrap, success and partial credit)
+Writes results.json and results.md (the table in docs/training.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+from envace.demo import DemoConfig, compare, evaluate_model, in_fresh_process, sft_config, train_config
+from envace.training.sft import run_sft
+from envace.training.trainer import run_train
+
+# Each row changes the demo's GRPO settings (DemoConfig fields); "demo" is the demo itself.
+ROWS: dict[str, dict] = {
+    "demo": {},
+    "lr-5e-5": {"rl_lr": 5e-5},
+    "lr-1e-4": {"rl_lr": 1e-4},
+    "6-steps": {"rl_steps": 6},
+    "temp-0.7": {"rl_temperature": 0.7},
+    "k-8": {"rl_k": 8, "rl_tasks_per_step": 2},
+    "replay-reward": {"rl_reward": "replay"},
+}
+
+
+def stage(results: dict, path: Path, name: str, fn) -> dict:
+    """results[name], computed once: a finished stage is kept across reruns."""
+    if name not in results:
+        start = time.perf_counter()
+        value, peak = in_fresh_process(*fn)
+        results[name] = {"result": value, "seconds": time.perf_counter() - start, "peak_rss_gib": peak}
+        path.write_text(json.dumps(results, indent=2, default=str))
+    return results[name]
+
+
+def training_curve(run_dir: str) -> list[dict]:
+    """Per step: the rollouts' mean reward, success and partial credit (rehearse mode)."""
+    keys = ("reward/mean", "success_rate", "partial_credit")
+    return [{k: m.get(k) for k in ("step", *keys)} for m in map(json.loads, Path(run_dir, "metrics.jsonl").read_text().splitlines())]
+
+
+def table(results: dict, rows: list[str]) -> str:
+    def overall(name: str) -> dict:
+        return results[name]["result"]["overall"]
+
+    def paired(p: dict) -> str:
+        return f"{p['mean_diff']:+.3f} [{p['ci95'][0]:+.3f}, {p['ci95'][1]:+.3f}] ({p['better']}/{p['worse']})"
+
+    lines = ["| row | changed | success | partial credit | success vs warm start [95% CI] (better/worse) | partial credit vs warm start | rollout reward per step | train s |",
+             "|---|---|---|---|---|---|---|---|",
+             f"| warm start | - | {overall('eval-warm')['success_rate']:.3f} | {overall('eval-warm')['partial_credit']:.3f} | - | - | - | - |"]
+    for row in rows:
+        if f"eval-{row}" not in results:
+            continue
+        cmp = results[f"compare-{row}"]
+        curve = ", ".join(f"{c['reward/mean']:.2f}" for c in results[f"curve-{row}"])
+        changed = ", ".join(f"{k}={v}" for k, v in ROWS[row].items()) or "(the demo's settings)"
+        lines.append(f"| {row} | {changed} | {overall(f'eval-{row}')['success_rate']:.3f} | {overall(f'eval-{row}')['partial_credit']:.3f} | "
+                     f"{paired(cmp['success'])} | {paired(cmp['partial_credit'])} | {curve} | {results[f'train-{row}']['seconds']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="runs/sweep")
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated rows of {list(ROWS)}")
+    p.add_argument("--warm", default=None, help="an existing warm start (e.g. runs/demo/sft/final) instead of training the demo's")
+    args = p.parse_args()
+    rows = args.rows.split(",")
+    if unknown := [r for r in rows if r not in ROWS]:
+        raise SystemExit(f"unknown rows {unknown}: choose from {list(ROWS)}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "results.json"
+    results = json.loads(path.read_text()) if path.exists() else {}
+    base = DemoConfig(output_dir=str(out), progress=False)
+    base.validate()
+    configs = {row: dataclasses.replace(base, **ROWS[row]) for row in rows}
+    for cfg in configs.values():
+        cfg.validate()  # every row fails here, before any model loads
+    warm = args.warm or stage(results, path, "sft", (run_sft, sft_config(base, out / "sft")))["result"]["final_model"]
+    stage(results, path, "eval-warm", (evaluate_model, warm, base, "real", out / "eval-warm"))
+    for row, cfg in configs.items():
+        trained = stage(results, path, f"train-{row}", (run_train, train_config(cfg, out / f"train-{row}", init_from=warm)))["result"]
+        stage(results, path, f"eval-{row}", (evaluate_model, trained["final_model"], cfg, "real", out / f"eval-{row}"))
+        results[f"compare-{row}"] = compare(out / "eval-warm", out / f"eval-{row}")
+        results[f"curve-{row}"] = training_curve(trained["run_dir"])
+        path.write_text(json.dumps(results, indent=2, default=str))
+        (out / "results.md").write_text(table(results, rows))
+        print(table(results, rows), flush=True)
+
+
+if __name__ == "__main__":
+    main()
