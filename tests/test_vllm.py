@@ -127,7 +127,8 @@ def test_prefix_cache_hits_are_counted_per_request_from_the_usage(tokenizer, mon
     generator.generate(sessions, [[1] * 10, [2] * 6], SamplingParams(max_new_tokens=1))
     assert (generator.stats.extra["prefix_cache_queries"], generator.stats.extra["prefix_cache_hits"]) == (16, 8)
     assert generator.stats.extra["prefix_cache_hit_rate"] == 0.5 and generator.stats.extra["prefix_cache_unreported"] == 0
-    generator.generate(sessions[:1], [[3] * 3], SamplingParams(max_new_tokens=1))  # the session's 10 + 1 + 3 = 14 tokens: no details
+    with pytest.warns(UserWarning, match="--enable-prompt-tokens-details"):
+        generator.generate(sessions[:1], [[3] * 3], SamplingParams(max_new_tokens=1))  # the session's 10 + 1 + 3 = 14 tokens: no details
     assert generator.stats.extra["prefix_cache_unreported"] == 1 and generator.stats.extra["prefix_cache_queries"] == 16
     generator.shutdown()
 

@@ -25,6 +25,7 @@ import shutil
 import tempfile
 import threading
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,11 +110,14 @@ class _PushedWeights:
         """Sessions open on this engine (their prefixes were sampled from its current weights)."""
         return len(self._sessions)
 
+    def _check_no_open_sessions(self) -> None:
+        if open_sessions := self._open_sessions():
+            raise StaleSessionsError(f"sync_weights with {open_sessions} sessions open: close them first (their prefixes were sampled from the old weights)")
+
     def sync_weights(self, weights: PolicyWeights) -> None:
         """Push `weights.merged_state()` into vLLM (its start/update/finish weight update), then
         reset its prefix cache, whose KV was computed by the old weights."""
-        if open_sessions := self._open_sessions():
-            raise StaleSessionsError(f"sync_weights with {open_sessions} sessions open: close them first (their prefixes were sampled from the old weights)")
+        self._check_no_open_sessions()
         self._init_transfer()
         start = time.perf_counter()
         path = self.transfer_dir / f"weights-{weights.version}.safetensors"
@@ -202,8 +206,7 @@ class VLLMServerGenerator(_PushedWeights, OpenAIGenerator):
         if self.pushes_weights:
             super().sync_weights(weights)
             return
-        if open_sessions := self._open_sessions():
-            raise StaleSessionsError(f"sync_weights with {open_sessions} sessions open: close them first (their prefixes were sampled from the old weights)")
+        self._check_no_open_sessions()
         self.weights_version = weights.version  # pushed by another client, ordered before our next call by the caller
 
     def _init_transfer(self) -> None:
@@ -248,6 +251,9 @@ class VLLMServerGenerator(_PushedWeights, OpenAIGenerator):
         details = (body.get("usage") or {}).get("prompt_tokens_details")
         with self._count_lock:  # requests complete on a thread pool
             if details is None:
+                if not self.stats.extra["prefix_cache_unreported"]:
+                    warnings.warn(f"{self.root} does not report cached prompt tokens, so the prefix-cache hit rate is not measured: "
+                                  "start the server with --enable-prompt-tokens-details", stacklevel=2)
                 self.stats.extra["prefix_cache_unreported"] += 1
             else:
                 self._count_prefix_cache(len(prompt), details.get("cached_tokens") or 0)
