@@ -1,6 +1,6 @@
-"""Which GRPO settings move the agent: the demo's GRPO stage from ONE warm start, one setting
-changed per row, each evaluated like the demo and compared task by task with the warm start
-(issue #13, "search before guessing").
+"""Which settings let the demo's GRPO stage move the agent: one setting changed per row (of the
+GRPO stage, or of the warm start it starts from), each evaluated like the demo and compared task
+by task with its own warm start (issue #13, "search before guessing").
 
     python benchmarks/grpo_sweep.py --out runs/sweep                      # every row
     python benchmarks/grpo_sweep.py --out runs/sweep --rows demo,lr-5e-5   # some rows
@@ -8,10 +8,12 @@ changed per row, each evaluated like the demo and compared task by task with the
 
 Stages (each in a fresh process, as in the demo; rerun the same command to continue: finished
 stages are kept in results.json):
-  1. the demo's SFT warm start (`envace demo`'s defaults), unless --warm names one
-  2. its greedy evaluation on the demo's 40 test tasks (8 per world, the held-out world's included)
+  1. the demo's SFT warm start (`envace demo`'s defaults; --warm names an existing one instead),
+     and one more per distinct SFT setting that a row changes
+  2. each warm start's greedy evaluation on the demo's 40 test tasks (8 per world, the held-out
+     world's included)
   3. per row: the demo's GRPO stage with the row's settings (envace variant, rehearse mode, the
-     partial-credit reward), evaluated on the same 40 tasks, compared with the warm start task by
+     partial-credit reward), evaluated on the same 40 tasks, compared with its warm start task by
      task (paired bootstrap, success and partial credit)
 Writes results.json and results.md (the table in docs/training.md).
 """
@@ -28,9 +30,11 @@ from envace.demo import DemoConfig, compare, evaluate_model, in_fresh_process, s
 from envace.training.sft import run_sft
 from envace.training.trainer import run_train
 
-# Each row changes the demo's GRPO settings (DemoConfig fields); "demo" is the demo itself.
+# Each row changes DemoConfig fields of the GRPO stage or of its warm start; "demo" is the demo itself.
 ROWS: dict[str, dict] = {
     "demo": {},
+    "sft-2-epochs": {"sft_epochs": 2},
+    "sft-2-epochs-lr-5e-5": {"sft_epochs": 2, "rl_lr": 5e-5},
     "lr-5e-5": {"rl_lr": 5e-5},
     "lr-1e-4": {"rl_lr": 1e-4},
     "6-steps": {"rl_steps": 6},
@@ -38,6 +42,15 @@ ROWS: dict[str, dict] = {
     "k-8": {"rl_k": 8, "rl_tasks_per_step": 2},
     "replay-reward": {"rl_reward": "replay"},
 }
+
+
+SFT_FIELDS = ("sft_per_world", "sft_epochs", "sft_lr", "sft_rows_per_step")
+
+
+def warm_name(cfg: DemoConfig) -> str:
+    """The warm start a row starts from, named by the SFT settings it changes ("warm": the demo's)."""
+    changed = [f"{f}={getattr(cfg, f)}" for f in SFT_FIELDS if getattr(cfg, f) != getattr(DemoConfig(), f)]
+    return "-".join(["warm", *changed])
 
 
 def stage(results: dict, path: Path, name: str, fn) -> dict:
@@ -51,8 +64,8 @@ def stage(results: dict, path: Path, name: str, fn) -> dict:
 
 
 def training_curve(run_dir: str) -> list[dict]:
-    """Per step: the rollouts' mean reward, success and partial credit (rehearse mode)."""
-    keys = ("reward/mean", "success_rate", "partial_credit")
+    """Per step: the rollouts' mean reward, success, partial credit and malformed outputs (rehearse mode)."""
+    keys = ("reward/mean", "success_rate", "partial_credit", "malformed")
     return [{k: m.get(k) for k in ("step", *keys)} for m in map(json.loads, Path(run_dir, "metrics.jsonl").read_text().splitlines())]
 
 
@@ -63,17 +76,18 @@ def table(results: dict, rows: list[str]) -> str:
     def paired(p: dict) -> str:
         return f"{p['mean_diff']:+.3f} [{p['ci95'][0]:+.3f}, {p['ci95'][1]:+.3f}] ({p['better']}/{p['worse']})"
 
-    lines = ["| row | changed | success | partial credit | success vs warm start [95% CI] (better/worse) | partial credit vs warm start | rollout reward per step | train s |",
-             "|---|---|---|---|---|---|---|---|",
-             f"| warm start | - | {overall('eval-warm')['success_rate']:.3f} | {overall('eval-warm')['partial_credit']:.3f} | - | - | - | - |"]
+    lines = ["| row | changed | warm start success / partial credit | after GRPO success / partial credit | success vs warm start [95% CI] (better/worse) "
+             "| partial credit vs warm start | rollout reward per step | malformed in rollouts per step | train s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        if f"eval-{row}" not in results:
+        if f"compare-{row}" not in results:
             continue
-        cmp = results[f"compare-{row}"]
+        cmp, warm, after = results[f"compare-{row}"], overall(f"eval-{results[f'warm-of-{row}']}"), overall(f"eval-{row}")
         curve = ", ".join(f"{c['reward/mean']:.2f}" for c in results[f"curve-{row}"])
+        malformed = ", ".join(f"{c['malformed']:.0f}" for c in results[f"curve-{row}"])
         changed = ", ".join(f"{k}={v}" for k, v in ROWS[row].items()) or "(the demo's settings)"
-        lines.append(f"| {row} | {changed} | {overall(f'eval-{row}')['success_rate']:.3f} | {overall(f'eval-{row}')['partial_credit']:.3f} | "
-                     f"{paired(cmp['success'])} | {paired(cmp['partial_credit'])} | {curve} | {results[f'train-{row}']['seconds']:.0f} |")
+        lines.append(f"| {row} | {changed} | {warm['success_rate']:.3f} / {warm['partial_credit']:.3f} | {after['success_rate']:.3f} / {after['partial_credit']:.3f} | "
+                     f"{paired(cmp['success'])} | {paired(cmp['partial_credit'])} | {curve} | {malformed} | {results[f'train-{row}']['seconds']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -95,12 +109,18 @@ def main() -> None:
     configs = {row: dataclasses.replace(base, **ROWS[row]) for row in rows}
     for cfg in configs.values():
         cfg.validate()  # every row fails here, before any model loads
-    warm = args.warm or stage(results, path, "sft", (run_sft, sft_config(base, out / "sft")))["result"]["final_model"]
-    stage(results, path, "eval-warm", (evaluate_model, warm, base, "real", out / "eval-warm"))
+    warm_starts: dict[str, str] = {}
     for row, cfg in configs.items():
-        trained = stage(results, path, f"train-{row}", (run_train, train_config(cfg, out / f"train-{row}", init_from=warm)))["result"]
+        name = warm_name(cfg)
+        if name not in warm_starts:
+            sft_stage = "sft" if name == "warm" else f"sft-{name}"
+            warm_starts[name] = (args.warm if name == "warm" and args.warm else
+                                 stage(results, path, sft_stage, (run_sft, sft_config(cfg, out / sft_stage)))["result"]["final_model"])
+            stage(results, path, f"eval-{name}", (evaluate_model, warm_starts[name], cfg, "real", out / f"eval-{name}"))
+        trained = stage(results, path, f"train-{row}", (run_train, train_config(cfg, out / f"train-{row}", init_from=warm_starts[name])))["result"]
         stage(results, path, f"eval-{row}", (evaluate_model, trained["final_model"], cfg, "real", out / f"eval-{row}"))
-        results[f"compare-{row}"] = compare(out / "eval-warm", out / f"eval-{row}")
+        results[f"warm-of-{row}"] = name
+        results[f"compare-{row}"] = compare(out / f"eval-{name}", out / f"eval-{row}")
         results[f"curve-{row}"] = training_curve(trained["run_dir"])
         path.write_text(json.dumps(results, indent=2, default=str))
         (out / "results.md").write_text(table(results, rows))
