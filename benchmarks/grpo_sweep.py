@@ -31,14 +31,14 @@ from envace.training.sft import run_sft
 from envace.training.trainer import run_train
 
 # Each row changes DemoConfig fields of the GRPO stage or of its warm start; "demo" is the demo itself.
+# Measured on 2026-12-03 (docs/training.md): demo, temp-1.0, sft-1-epoch-temp-1.0 (the demo before).
 ROWS: dict[str, dict] = {
     "demo": {},
-    "sft-2-epochs": {"sft_epochs": 2},
-    "sft-2-epochs-lr-5e-5": {"sft_epochs": 2, "rl_lr": 5e-5},
+    "temp-1.0": {"rl_temperature": 1.0},
+    "sft-1-epoch-temp-1.0": {"sft_epochs": 1, "rl_temperature": 1.0},
     "lr-5e-5": {"rl_lr": 5e-5},
     "lr-1e-4": {"rl_lr": 1e-4},
     "6-steps": {"rl_steps": 6},
-    "temp-0.7": {"rl_temperature": 0.7},
     "k-8": {"rl_k": 8, "rl_tasks_per_step": 2},
     "replay-reward": {"rl_reward": "replay"},
 }
