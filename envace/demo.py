@@ -41,7 +41,7 @@ class DemoConfig:
     rl_k: int = field(4, help="rollouts per task")
     rl_lr: float = field(2e-5, help="GRPO learning rate (1e-4 lowered tool F1 and success in 3 steps; docs/training.md)")
     rl_temperature: float = field(0.5, help="sampling temperature of the GRPO rollouts (> 0; evaluation is greedy). At 1.0 the 3 steps cost 2 of 40 "
-                                            "tasks, at 0.5 none (benchmarks/grpo_sweep.py, docs/training.md)")
+                                            "tasks, at 0.5 none, though greedy malformed outputs rose 1 -> 8 (benchmarks/grpo_sweep.py, docs/training.md)")
     rl_reward: str = field("partial", help="GRPO reward: partial (the verifier's partial credit: signal before a task is solved) or replay (0/1)")
     difficulty: int = field(1, help="task difficulty for training and evaluation")
     eval_rehearse: bool = field(False, help="also evaluate the trained model in rehearse mode (fidelity on the test tasks; training logs it per step)")
