@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from envace.algorithms.losses import lockstep_micro_batches
 from envace.config import ConfigError, build
@@ -173,13 +174,23 @@ def test_zero3_sft_reaches_the_weights_of_one_process(tmp_path, task_file):  # n
 @needs_deepspeed
 @pytest.mark.slow
 def test_zero3_grpo_reaches_the_weights_of_ddp_through_a_resume(tmp_path, task_file):  # noqa: F811
-    """1 ZeRO-3 step, then a resumed 2nd (weights and AdamW's state restored from the gathered
-    checkpoint), land on 2 DDP steps' weights; with LoRA the merged export equals DDP LoRA's."""
+    """A ZeRO-3 step lands on DDP's weights, and 1 ZeRO-3 step then a resumed 2nd (weights and
+    AdamW's state restored from the gathered checkpoint) on 2 uninterrupted ZeRO-3 steps'; with
+    LoRA the merged export equals DDP LoRA's.
+
+    Step 2 is not compared with DDP's step 2: DeepSpeed reduces gradients in another order (the
+    step-1 grad norms differ by 2e-6 relative), and on an fp32 (AVX2) machine that difference in
+    the weights flipped one token the tiny model sampled at step 2 (its distribution is nearly
+    flat), so the two runs trained on different rollouts (rewards 0.5 and 0.625) and ended 1.7e-3
+    apart, on the code before this test was split as on the code after it."""
     distributed(2, "grpo", task_file, str(tmp_path / "ddp"), "none", "2")
     distributed(2, "grpo", task_file, str(tmp_path / "sharded"), "deepspeed-zero3", "1")
     distributed(2, "grpo", task_file, str(tmp_path / "sharded"), "deepspeed-zero3", "2")
-    a, b = final_weights(tmp_path / "sharded"), final_weights(tmp_path / "ddp")
-    assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in b) < 1e-5  # measured 1.3e-6
+    distributed(2, "grpo", task_file, str(tmp_path / "whole"), "deepspeed-zero3", "2")
+    a, b = (load_file(tmp_path / run / "checkpoints" / "step-00000001" / "model-policy" / "model.safetensors") for run in ("sharded", "ddp"))
+    assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in b) < 1e-5  # one step: as DDP
+    a, b = final_weights(tmp_path / "sharded"), final_weights(tmp_path / "whole")
+    assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in b) < 1e-5  # resumed = uninterrupted
     steps = [json.loads(line) for line in open(tmp_path / "sharded" / "metrics.jsonl")]
     assert [m["step"] for m in steps] == [1, 2] and all(m["policy/skipped_update"] == 0.0 for m in steps)
     distributed(2, "grpo", task_file, str(tmp_path / "ddp-lora"), "none", "2", "4")
