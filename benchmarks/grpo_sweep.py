@@ -41,6 +41,8 @@ ROWS: dict[str, dict] = {
     "6-steps": {"rl_steps": 6},
     "k-8": {"rl_k": 8, "rl_tasks_per_step": 2},
     "replay-reward": {"rl_reward": "replay"},
+    "grounding": {"rl_grounding": True},
+    "real-third": {"rl_real_fraction": 1 / 3},
 }
 
 

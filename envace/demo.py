@@ -42,6 +42,9 @@ class DemoConfig:
     rl_lr: float = field(2e-5, help="GRPO learning rate (1e-4 lowered tool F1 and success in 3 steps; docs/training.md)")
     rl_temperature: float = field(0.5, help="sampling temperature of the GRPO rollouts (> 0; evaluation is greedy). At 1.0 the 3 steps cost 2 of 40 "
                                             "tasks, at 0.5 none, though greedy malformed outputs rose 1 -> 8 (benchmarks/grpo_sweep.py, docs/training.md)")
+    rl_grounding: bool = field(False, help="GRPO rehearsal from the isolated simulator prompt with the task's reference (call, true result) pairs "
+                                             "(the reference implementation's privileged grounding; its world runs are counted as grounding)")
+    rl_real_fraction: float = field(0.0, help="share of each GRPO step's tasks rolled out against the real world (the rest rehearsed)")
     rl_reward: str = field("partial", help="GRPO reward: partial (the verifier's partial credit: signal before a task is solved) or replay (0/1)")
     difficulty: int = field(1, help="task difficulty for training and evaluation")
     eval_rehearse: bool = field(False, help="also evaluate the trained model in rehearse mode (fidelity on the test tasks; training logs it per step)")
@@ -57,6 +60,8 @@ class DemoConfig:
         for name in ("sft_lr", "rl_lr", "rl_temperature"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0.0 <= self.rl_real_fraction <= 1.0:
+            raise ConfigError(f"rl_real_fraction must be in [0, 1], got {self.rl_real_fraction}")
         if self.rl_reward not in ("partial", "replay"):
             raise ConfigError(f"rl_reward must be partial or replay, got {self.rl_reward!r}")
         if self.difficulty not in (1, 2, 3):
@@ -131,11 +136,12 @@ def train_config(cfg: DemoConfig, output_dir: Path, init_from: str | None = None
     from envace.training.trainer import TrainConfig
 
     return build(TrainConfig, dict(model=cfg.model, init_from=init_from, variant="envace", steps=cfg.rl_steps, tasks_per_step=cfg.rl_tasks_per_step, k=cfg.rl_k,
-                                   lr=cfg.rl_lr, reward=cfg.rl_reward, difficulty=cfg.difficulty, output_dir=str(output_dir), save_every=cfg.rl_steps,
+                                   lr=cfg.rl_lr, reward=cfg.rl_reward, real_fraction=cfg.rl_real_fraction, difficulty=cfg.difficulty, output_dir=str(output_dir), save_every=cfg.rl_steps,
                                    # one task group (~1.5-3k packed tokens) per micro-batch: the GRPO stage peaked at 8.9 GiB with
                                    # 4096, 5.1 GiB with this (measured, docs/training.md), for the same update
                                    micro_batch_tokens=1024, tiny=cfg.tiny, seed=cfg.seed, progress=cfg.progress,
-                                   rollout=dict(max_turn_tokens=cfg.max_turn_tokens, max_rehearse_tokens=128, temperature=cfg.rl_temperature)))
+                                   rollout=dict(max_turn_tokens=cfg.max_turn_tokens, max_rehearse_tokens=128, temperature=cfg.rl_temperature,
+                                                rehearse_layout="isolated" if cfg.rl_grounding else "transcript", grounding=cfg.rl_grounding)))
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from envace.algorithms import ADVANTAGES, Row, build_rows, collate, group_metrics, ppo_loss, ppo_token_loss, sequence_logprobs
 from envace.algorithms.losses import (PREFIX_GROUPED_ATTENTION, PackedLayout, PackedRows, forwarded_tokens, pack_shared_prefixes,
-                                      prefix_grouped_attention, recompute_old_logprobs, shared_prefix_len, unit_rows)
+                                      prefix_grouped_attention, recompute_old_logprobs, rows_with_signal, shared_prefix_len, unit_rows)
 from envace.backends.models import tiny_model as hf_tiny_model
 from envace.training.setup import backward_micro_batches, micro_batches
 from envace.training.variants import VARIANTS
@@ -237,6 +237,13 @@ def test_variant_masks(variant):
         row = build_rows(group[:1], adv.trajectories[:1], roles)[0]
         assert row.loss_mask == EXPECTED_MASKS[variant][model]
         assert row.roles == [int(r) for r, ids in ALL_ROLES for _ in ids]
+
+
+def test_rows_with_signal_keeps_rows_with_a_nonzero_advantage_on_a_trained_token():
+    signal = plain_row([1, 2, 3], 2, adv=0.5)  # A = 0.5 on its one trained token
+    zero = plain_row([1, 2, 3], 1, adv=0.0)
+    untrained_only = Row([1, 2, 3], [int(P)] * 3, [0.0, 1.0, 1.0], [0.7, 0.0, 0.0], [0.0, -1.0, -1.0])  # A only where nothing trains
+    assert rows_with_signal([zero, signal, untrained_only]) == [signal]
 
 
 def test_rows_without_trained_tokens_are_dropped():

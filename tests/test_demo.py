@@ -11,6 +11,18 @@ def test_demo_config_validation():
         build(DemoConfig, {"rl_reward": "judge"})
     with pytest.raises(ConfigError, match="rl_temperature"):
         build(DemoConfig, {"rl_temperature": 0.0})  # a greedy group has no advantages
+    with pytest.raises(ConfigError, match="rl_real_fraction"):
+        build(DemoConfig, {"rl_real_fraction": 1.5})
+
+
+def test_demo_grpo_stage_takes_grounding_and_real_fraction_into_its_train_config(tmp_path):
+    from envace.demo import train_config
+
+    plain = train_config(build(DemoConfig, {}), tmp_path)
+    assert (plain.rollout.rehearse_layout, plain.rollout.grounding, plain.real_fraction) == ("transcript", False, 0.0)
+    grounded = train_config(build(DemoConfig, {"rl_grounding": True, "rl_real_fraction": 0.5}), tmp_path)
+    # grounding exists only in the isolated simulator prompt: the flag must bring that layout with it
+    assert (grounded.rollout.rehearse_layout, grounded.rollout.grounding, grounded.real_fraction) == ("isolated", True, 0.5)
 
 
 def test_default_demo_evaluates_at_least_40_tasks_across_all_worlds():

@@ -137,6 +137,29 @@ def test_train_step_updates_weights_only_with_a_learning_signal_and_logs(tmp_pat
     assert latest_checkpoint(tmp_path / "run").name.endswith("1")
 
 
+def test_rows_of_zero_advantage_are_left_out_of_the_update_and_change_no_weight(tmp_path, task_file, monkeypatch):
+    """A step whose groups scored alike but one: the update forwards only the signalled group's
+    rows (zero_advantage_rows counts the rest) and reaches the weights of the update over all rows."""
+    import envace.training.trainer as trainer_mod
+
+    def one_step(name):
+        cfg = build(TrainConfig, dict(SMALL, tasks=task_file, output_dir=str(tmp_path / name), steps=1, penalty=0.0,
+                                      reward="tests.training_rewards:signal_in_counter_1_only", tasks_per_step=4))
+        trainer = Trainer(cfg)
+        metrics = trainer.train_step()
+        trainer.logger.close()
+        return metrics, params(trainer.models.policy)
+
+    dropped, weights = one_step("dropped")
+    monkeypatch.setattr(trainer_mod, "rows_with_signal", lambda rows: list(rows))  # the update over every row
+    kept, all_rows_weights = one_step("kept")
+    assert dropped["groups/degenerate_frac"] == 0.75  # 3 of the 4 task groups scored alike
+    assert dropped["policy/zero_advantage_rows"] == 6 and kept["policy/zero_advantage_rows"] == 0  # 3 groups x k=2
+    assert dropped["policy/trained_tokens"] == kept["policy/trained_tokens"]  # the same token-mean denominator
+    assert dropped["policy/forwarded_tokens"] < kept["policy/forwarded_tokens"]
+    torch.testing.assert_close(weights, all_rows_weights, rtol=0, atol=1e-6)
+
+
 def test_resume_reaches_the_same_weights_as_an_uninterrupted_run(tmp_path, task_file):
     full = Trainer(build(TrainConfig, dict(SMALL, tasks=task_file, output_dir=str(tmp_path / "full"))))
     full.fit()

@@ -23,6 +23,12 @@ def rollout_index(task, traj, ctx):
     return float(traj.group), {}
 
 
+def signal_in_counter_1_only(task, traj, ctx):
+    """`rollout_index` for task counter-1, a constant elsewhere: one group of the step carries a
+    signal, the others have advantage 0 throughout."""
+    return (float(traj.group) if task.id == "counter-1" else 0.5), {}
+
+
 def blocked_marker(run_dir: str | Path) -> Path:
     """The file `blocking_rollout_index` writes when it stops the run in `run_dir` (beside the run, not in it)."""
     return Path(f"{run_dir}.blocked")

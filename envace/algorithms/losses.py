@@ -284,6 +284,15 @@ def build_rows(
     return [r for r in rows if any(r.loss_mask)]
 
 
+def rows_with_signal(rows: Sequence[Row]) -> list[Row]:
+    """The rows whose PPO loss can move the weights: some trained token has a non-zero advantage.
+    The clipped surrogate is ratio * A, so a row with A = 0 on every trained token adds exactly 0
+    to the loss and to its gradient (it still counts in a token mean's denominator). GRPO makes
+    many: a group whose rollouts all scored alike has A = 0 throughout (DAPO's "zero-variance"
+    groups, which it drops from the batch for the same reason)."""
+    return [r for r in rows if any(m and a for a, m in zip(r.advantages, r.loss_mask))]
+
+
 def collate(rows: Sequence[Unit], pad_id: int) -> Batch:
     """Right-pad rows into [B, T] tensors; padding is PROMPT-role, untrained, attention 0.
 

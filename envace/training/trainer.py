@@ -27,7 +27,8 @@ from tqdm.auto import tqdm
 
 from envace import config as cfgmod
 from envace.algorithms import ADVANTAGES, group_metrics
-from envace.algorithms.losses import build_rows, forwarded_tokens, pack_shared_prefixes, ppo_loss, recompute_old_logprobs, sequence_logprobs
+from envace.algorithms.losses import (build_rows, forwarded_tokens, pack_shared_prefixes, ppo_loss, recompute_old_logprobs, rows_with_signal,
+                                     sequence_logprobs)
 from envace.config import ConfigError, field
 from envace.accounting import WorldExecutions
 from envace.manifest import build_manifest, chain_executions, with_executions, write_manifest
@@ -544,14 +545,23 @@ class Trainer:
         # token mean over every process's tokens.
         denom = total / self.accelerator.num_processes
         sums: dict[str, float] = {}
-        if not global_sum(self.accelerator, sum(1 for r in rows for a, m in zip(r.advantages, r.loss_mask) if m and a)):
+        signal = rows_with_signal(rows)
+        if not global_sum(self.accelerator, len(signal)):
             # No learning signal (e.g. every group had equal rewards): a step would only apply
             # weight decay and move Adam's moments, so the weights stay as they are. The
             # schedule still advances so it stays aligned with the step count.
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
                 scheduler.step()
-            return {"trained_tokens": float(total), "skipped_update": 1.0}
+            return {"trained_tokens": float(total), "skipped_update": 1.0, "zero_advantage_rows": float(len(rows))}
+        # Rows with advantage 0 throughout add exactly 0 to the loss and the gradient, and their
+        # tokens stay in `denom`: leaving them out of the forward, backward and logprob recompute
+        # changes no weight. A KL term pulls every token towards the reference whatever its
+        # advantage, so with one every row is kept. The per-token diagnostics (clip_frac, entropy,
+        # approx_kl) are then means over the rows that were forwarded.
+        zero_rows = 0 if cfg.kl_coef else len(rows) - len(signal)
+        if not cfg.kl_coef:
+            rows = signal
         tis_cap = None
         if self.numerics_differ:
             rows = recompute_old_logprobs(model, rows, self.tokenizer.pad_token_id, cfg.micro_batch_tokens, cfg.share_prefix, self.accelerator.autocast,
@@ -576,6 +586,7 @@ class Trainer:
         scheduler.step()
         forwarded = forwarded_tokens(pack_shared_prefixes(rows) if cfg.share_prefix else rows)
         return sums | {"grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0], "trained_tokens": float(total), "skipped_update": 0.0,
+                       "zero_advantage_rows": float(zero_rows),
                        "forwarded_tokens": float(forwarded), "forwarded_tokens_unshared": float(forwarded_tokens(rows))}
 
     def score(self, tasks: list[Task], groups: list[list[Trajectory]]) -> dict[str, float]:
@@ -734,7 +745,7 @@ def is_count(metric: str) -> bool:
     already, and the rest (clock values among them) are means."""
     parts = metric.split("/")
     return (metric in ("malformed", "tool_exceptions", "fidelity/calls") or parts[0] == "sampler"
-            or (len(parts) > 1 and parts[1] in ("tokens", "forwarded_tokens", "forwarded_tokens_unshared")))
+            or (len(parts) > 1 and parts[1] in ("tokens", "forwarded_tokens", "forwarded_tokens_unshared", "zero_advantage_rows")))
 
 
 def _token_key(metric: str) -> str:
