@@ -43,6 +43,7 @@ ROWS: dict[str, dict] = {
     "replay-reward": {"rl_reward": "replay"},
     "grounding": {"rl_grounding": True},
     "real-third": {"rl_real_fraction": 1 / 3},
+    "sft-24-per-world-4-steps": {"sft_per_world": 24, "rl_steps": 4},
 }
 
 
