@@ -44,6 +44,8 @@ ROWS: dict[str, dict] = {
     "grounding": {"rl_grounding": True},
     "real-third": {"rl_real_fraction": 1 / 3},
     "sft-24-per-world-4-steps": {"sft_per_world": 24, "rl_steps": 4},
+    "sft-24-lr-1e-4-8-steps": {"sft_per_world": 24, "rl_lr": 1e-4, "rl_steps": 8},
+    "sft-24-12-steps": {"sft_per_world": 24, "rl_steps": 12},
 }
 
 

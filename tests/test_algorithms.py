@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from envace.algorithms import ADVANTAGES, Row, build_rows, collate, group_metrics, ppo_loss, ppo_token_loss, sequence_logprobs
 from envace.algorithms.losses import (PREFIX_GROUPED_ATTENTION, PackedLayout, PackedRows, forwarded_tokens, pack_shared_prefixes,
-                                      prefix_grouped_attention, recompute_old_logprobs, rows_with_signal, shared_prefix_len, unit_rows)
+                                      prefix_grouped_attention, lockstep_micro_batches, recompute_old_logprobs, rows_with_signal, shared_prefix_len, unit_rows)
 from envace.backends.models import tiny_model as hf_tiny_model
 from envace.training.setup import backward_micro_batches, micro_batches
 from envace.training.variants import VARIANTS
@@ -860,3 +860,27 @@ def test_trained_only_scores_the_loss_tokens_with_the_same_values_and_gradients(
     assert lp[~trained].eq(0).all() and ent[~trained].eq(0).all()
     for name, grad in all_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6 + 1e-4 * grad.abs().max().item(), msg=name)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_padding_micro_batch_reaches_every_parameter_with_a_zero_gradient(tokenizer, packed):
+    """A process with nothing to train (no rows, or only rows of advantage 0, left out of the
+    update) backpropagates `lockstep_micro_batches`' padding row so it joins the gradient
+    all-reduce (DDP) or the collectives (FSDP2, ZeRO-3): with `trained_only` it has no token to
+    score, yet its loss must reach every parameter, and only with a zero gradient."""
+    model = hf_tiny_model(tokenizer)
+    (padding,) = lockstep_micro_batches([], 10, pad_id=tokenizer.pad_token_id)
+    batch = collate(pack_shared_prefixes(padding) if packed else padding, tokenizer.pad_token_id)
+    logprobs, _ = sequence_logprobs(model, batch, trained_only=True)
+    loss, _ = ppo_loss(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, num_tokens=1.0)
+    loss.backward()  # failed before: "element 0 of tensors does not require grad"
+    assert loss.item() == 0.0
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.eq(0).all(), name
+    # Without autograd too (the old-logprob recompute) the LM head runs: ZeRO-3 all-gathers its
+    # weights when it is called, and the other processes' heads wait for that.
+    calls = []
+    model.get_output_embeddings().register_forward_hook(lambda *_: calls.append(1))
+    with torch.no_grad():
+        sequence_logprobs(model, batch, trained_only=True)
+    assert calls

@@ -3,7 +3,6 @@ micro-batches they need. The FSDP2 runs themselves (2 gloo processes, against DD
 process) are in tests/test_training.py; the ZeRO-3 ones are here (they need the `deepspeed` extra
 and skip without it)."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -20,11 +19,9 @@ from envace.training.setup import check_sharding
 from envace.training.sharding import UnshardedCopy, checkpointed_optimizer, decoder_layers, lockstep_count
 from envace.training.trainer import TrainConfig, Trainer
 from tests.test_algorithms import plain_row, tiny_model
-from tests.test_training import SMALL, distributed, final_weights, task_file  # noqa: F401 (task_file: a fixture)
+from tests.test_training import SMALL, distributed, final_weights, needs_deepspeed, task_file  # noqa: F401 (task_file: a fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                     reason="DeepSpeed is not installed (the `deepspeed` extra: pip install 'envace[deepspeed]')")
 
 
 def test_lockstep_pads_with_micro_batches_that_train_nothing():

@@ -1,5 +1,6 @@
 """Trainer and SFT on a tiny random model over the real tokenizer, with the small Counter world."""
 
+import importlib.util
 import json
 import os
 import re
@@ -20,6 +21,9 @@ from envace.training.variants import VARIANTS
 from envace.types import Role, Task
 
 from tests.test_rollout import counter_task
+
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                     reason="DeepSpeed is not installed (the `deepspeed` extra: pip install 'envace[deepspeed]')")
 
 SMALL = dict(tiny=True, steps=2, tasks_per_step=2, k=2, max_turns=2, max_turn_tokens=12, max_rehearse_tokens=8,
              max_total_tokens=400, progress=False, tensorboard=False, lr=1e-3)
@@ -285,6 +289,22 @@ def test_two_process_grpo_updates_and_keeps_replicas_identical(tmp_path, task_fi
     assert (tmp_path / "grpo" / "final" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", ["none", "fsdp2", pytest.param("deepspeed-zero3", marks=needs_deepspeed)])
+def test_a_process_whose_rows_all_have_advantage_0_still_joins_the_update(tmp_path, task_file, sharding):
+    """Process 1's groups all score alike (reward 0 there), so its 4 rows per step are left out of
+    the update and it runs padding micro-batches only: it must still join DDP's gradient
+    all-reduce, FSDP2's and ZeRO-3's collectives (ZeRO-3's old-logprob recompute too: its
+    numerics differ) and the metrics reduction, and end on process 0's weights. This failed or
+    hung before the padding micro-batch ran the LM head and reached every parameter under
+    `trained_only` scoring, and before processes could report different metric keys."""
+    ranks = rank_lines(distributed(2, "grpo", task_file, str(tmp_path / "grpo"), sharding, "2", "0", "tests.ddp_worker:varied_on_rank_0"))
+    assert set(ranks) == {"0", "1"} and ranks["0"][0] == ranks["1"][0]
+    metrics = [json.loads(line) for line in open(tmp_path / "grpo" / "metrics.jsonl")]
+    assert [m["policy/zero_advantage_rows"] for m in metrics] == [4.0, 4.0]  # process 1's K = 4 rows, each step
+    assert all(m["policy/skipped_update"] == 0.0 for m in metrics)  # process 0's rows did carry a signal
+
+
 def rank_lines(out: str) -> dict[str, list[str]]:
     """ddp_worker's `rank R checksum C held H of T` reports, by rank: [C, H, T]. Found anywhere in
     the output: both processes write to one pipe, so a report may follow the other's unfinished line."""
@@ -388,6 +408,19 @@ def test_counted_metrics_are_summed_over_processes_the_rest_averaged():
     keys = ("policy/tokens/act", "policy/tokens", "malformed", "fidelity/calls", "sampler/policy-rehearse/generated_tokens", "sampler/policy-rehearse/syncs",
             "policy/trained_tokens", "env/rollout_step", "reward/act", "tokens_per_task", "time/sampler/policy-rehearse/seconds")
     assert [is_count(k) for k in keys] == [True] * 6 + [False] * 5
+
+
+def test_process_metrics_merge_when_the_processes_report_different_keys():
+    """Process 0 trained act tokens only, process 1 had only a padding micro-batch (its rows all
+    of advantage 0): counts are summed (tokens 6 + 0, zero-advantage rows 0 + 4), a mean comes
+    from the processes that report it (pg_loss 0.5 from process 0 alone, not (0.5 + 0) / 2), and
+    a mean both report is averaged (grad_norm (1 + 3) / 2)."""
+    from envace.training.trainer import merge_process_metrics
+
+    busy = {"policy/tokens": 6.0, "policy/tokens/act": 6.0, "policy/pg_loss": 0.5, "policy/zero_advantage_rows": 0.0, "policy/grad_norm": 1.0}
+    padding = {"policy/tokens": 0.0, "policy/tokens/act": 0.0, "policy/zero_advantage_rows": 4.0, "policy/grad_norm": 3.0}
+    assert merge_process_metrics([busy, padding]) == {"policy/tokens": 6.0, "policy/tokens/act": 6.0, "policy/pg_loss": 0.5,
+                                                      "policy/zero_advantage_rows": 4.0, "policy/grad_norm": 2.0}
 
 
 def test_sampler_rates_come_from_the_counts_of_all_processes():

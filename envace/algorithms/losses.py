@@ -534,6 +534,12 @@ def sequence_logprobs(model: torch.nn.Module, batch: Batch, chunk_size: int = 51
     softcap = getattr(inner.config, "final_logit_softcapping", None)  # Gemma-style models
     packed = batch.packed
     scored = batch.loss_mask > 0 if trained_only else None
+    if scored is not None and not scored.any():
+        # Nothing to score (a process's padding micro-batch, `lockstep_micro_batches`): score
+        # every token anyway. The LM head must run: ZeRO-3 all-gathers its weights when it is
+        # called, the other processes' heads wait for that, and a loss must reach every
+        # parameter (with a zero gradient: the mask is 0) for DDP's all-reduce to complete.
+        scored = None
     if packed is None:
         targets = batch.input_ids[:, 1:]
         scored = torch.ones_like(targets, dtype=torch.bool) if scored is None else scored[:, 1:]

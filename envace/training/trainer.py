@@ -602,13 +602,12 @@ class Trainer:
         return out | {f"env/{k}_{span}": v for span, calls in (("step", step_calls), ("total", self.world_calls)) for k, v in calls.as_dict().items()}
 
     def _global_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
-        """One value per metric over all processes: counts are summed, the rest averaged."""
+        """One value per metric over all processes (`merge_process_metrics`)."""
         if self.accelerator.num_processes == 1:
             return metrics
-        keys = sorted(metrics)
-        local = torch.tensor([float(metrics[k]) for k in keys], device=self.accelerator.device)
-        sums = self.accelerator.reduce(local, "sum").tolist()
-        return {k: v if is_count(k) else v / self.accelerator.num_processes for k, v in zip(keys, sums)}
+        from accelerate.utils import gather_object
+
+        return merge_process_metrics(gather_object([metrics]))
 
     def train_step(self) -> dict[str, float]:
         # Every process draws the same tasks and rolls out its own share of them.
@@ -746,6 +745,19 @@ def is_count(metric: str) -> bool:
     parts = metric.split("/")
     return (metric in ("malformed", "tool_exceptions", "fidelity/calls") or parts[0] == "sampler"
             or (len(parts) > 1 and parts[1] in ("tokens", "forwarded_tokens", "forwarded_tokens_unshared", "zero_advantage_rows")))
+
+
+def merge_process_metrics(reported: list[dict[str, float]]) -> dict[str, float]:
+    """One value per metric from each process's own: counts (`is_count`) summed, the rest
+    averaged over the processes that report them. Processes may report different keys: one whose
+    update had only padding (its rows all of advantage 0), no tokens of a role, or no tool calls
+    has no mean of them, and is not counted as a 0 in it."""
+    keys = sorted(set().union(*reported))
+    merged = {}
+    for k in keys:
+        values = [float(m[k]) for m in reported if k in m]
+        merged[k] = sum(values) if is_count(k) else sum(values) / len(values)
+    return merged
 
 
 def _token_key(metric: str) -> str:
