@@ -4,6 +4,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -259,9 +260,17 @@ def distributed(nproc: int, *args: str, timeout: int = 600) -> str:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), os.path.join(root, "tests", "ddp_worker.py"), *args]
     env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1")
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    # Its own process group: a collective the processes do not all join hangs them, and on a
+    # timeout the workers must go with the launcher rather than outlive the test.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"the {nproc} processes did not finish in {timeout} s (a hung collective?):\n{err[-3000:]}") from None
+    assert proc.returncode == 0, err[-3000:]
+    return out
 
 
 @pytest.mark.slow
