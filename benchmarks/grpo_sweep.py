@@ -46,6 +46,7 @@ ROWS: dict[str, dict] = {
     "sft-24-per-world-4-steps": {"sft_per_world": 24, "rl_steps": 4},
     "sft-24-lr-1e-4-8-steps": {"sft_per_world": 24, "rl_lr": 1e-4, "rl_steps": 8},
     "sft-24-12-steps": {"sft_per_world": 24, "rl_steps": 12},
+    "sft-24-temp-1.0-12-steps": {"sft_per_world": 24, "rl_temperature": 1.0, "rl_steps": 12},
 }
 
 
