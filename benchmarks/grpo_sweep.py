@@ -31,7 +31,8 @@ from envace.training.sft import run_sft
 from envace.training.trainer import run_train
 
 # Each row changes DemoConfig fields of the GRPO stage or of its warm start; "demo" is the demo itself.
-# Measured on 2026-12-03 (docs/training.md): demo, temp-1.0, sft-1-epoch-temp-1.0 (the demo before).
+# Measured on 2026-12-03 (docs/training.md): demo, temp-1.0, sft-1-epoch-temp-1.0 (the demo before);
+# grounding (stopped after 2 steps), real-third; the sft-24-* rows (sft-24-temp-1.0-12-steps stopped after 1 step).
 ROWS: dict[str, dict] = {
     "demo": {},
     "temp-1.0": {"rl_temperature": 1.0},
