@@ -128,8 +128,8 @@ def sft_config(cfg: DemoConfig, output_dir: Path) -> Any:
                                  # one trajectory per micro-batch, as in the GRPO stage: the largest stage's peak is the demo's
                                  micro_batch_tokens=1024,
                                  # Under bf16 autocast the saved activations hold bf16 copies next to the fp32 residual
-                                 # stream: this stage peaked at 5.18 GiB against 4.33 in fp32. Recomputing each layer's
-                                 # activations took it to 4.08 GiB for 1.24x its seconds, same losses (docs/performance.md).
+                                 # stream: this stage peaked at 5.13 GiB against 4.33 in fp32. Recomputing each layer's
+                                 # activations took it to 3.97 GiB for 1.1-1.24x its seconds, same losses (docs/performance.md).
                                  activation_checkpointing=True,
                                  # a checkpoint (weights + AdamW state, 1.6 GB) every 10 steps rather than after every step
                                  save_every=10))

@@ -122,6 +122,25 @@ def test_sft_reduces_loss(tmp_path, task_file):
     assert (tmp_path / "sft" / "final" / "config.json").is_file() and result["examples"] == 4
 
 
+def test_sft_with_activation_checkpointing_trains_the_same_model(tmp_path, task_file):
+    """The demo's SFT stage recomputes activations to bound its memory: that must change the
+    memory only, not the losses or the weights it trains."""
+    from safetensors.torch import load_file
+
+    def train(checkpointing: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+        out = tmp_path / f"sft-{checkpointing}"
+        run_sft(build(SFTConfig, dict(tiny=True, tasks=task_file, epochs=3, rows_per_step=2, lr=3e-3, precision="fp32", activation_checkpointing=checkpointing,
+                                      output_dir=str(out), progress=False, tensorboard=False)))
+        losses = [json.loads(line)["sft/loss"] for line in open(out / "metrics.jsonl")]
+        return losses, load_file(out / "final" / "model.safetensors")
+
+    plain, checkpointed = train(False), train(True)
+    assert len(plain[0]) == 6 and plain[0] == pytest.approx(checkpointed[0], rel=1e-5)
+    assert plain[1].keys() == checkpointed[1].keys()
+    for name, weight in plain[1].items():
+        torch.testing.assert_close(checkpointed[1][name], weight, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("reward,degenerate_frac,moves", [
     ("tests.training_rewards:constant", 1.0, False),  # equal rewards: no signal, the update is skipped
     ("tests.training_rewards:rollout_index", 0.0, True),  # rewards 0 and 1 in every group
