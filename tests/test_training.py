@@ -181,7 +181,10 @@ def test_rows_of_zero_advantage_are_left_out_of_the_update_and_change_no_weight(
     assert dropped["policy/zero_advantage_rows"] == 6 and kept["policy/zero_advantage_rows"] == 0  # 3 groups x k=2
     assert dropped["policy/trained_tokens"] == kept["policy/trained_tokens"]  # the same token-mean denominator
     assert dropped["policy/forwarded_tokens"] < kept["policy/forwarded_tokens"]
-    torch.testing.assert_close(weights, all_rows_weights, rtol=0, atol=1e-6)
+    # Adam's first step moves a weight by ~lr (1e-3) wherever its gradient is nonzero; leaving rows out
+    # changes the micro-batch shapes and so the summation order, and where a gradient is near Adam's eps
+    # that order shows (1.1e-6 on 1 of 6.4M weights, measured on an AMD CPU). 1e-5 is 1% of a real step.
+    torch.testing.assert_close(weights, all_rows_weights, rtol=0, atol=1e-5)
 
 
 def test_resume_reaches_the_same_weights_as_an_uninterrupted_run(tmp_path, task_file):
