@@ -42,6 +42,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-turn-tokens", type=int, default=128)
     p.add_argument("--max-rehearse-tokens", type=int, default=96)
     p.add_argument("--max-total-tokens", type=int, default=2048)
+    p.add_argument("--max-active", type=int, default=64,
+                   help="rollouts, evaluations and summaries in flight at once (0 = all; each holds a KV cache)")
     p.add_argument("--temperature", type=float, default=0.0, help="committed run sampling (0 = greedy)")
     p.add_argument("--attempt-temperature", type=float, default=0.8, help="rehearsal attempts' sampling")
     p.add_argument("--evaluation-tokens", type=int, default=96)
@@ -58,7 +60,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def rehearsal_config(args: argparse.Namespace, mode: str) -> RehearsalConfig:
     execution = RolloutConfig(
         max_turns=args.max_turns, max_turn_tokens=args.max_turn_tokens, max_rehearse_tokens=args.max_rehearse_tokens,
-        max_total_tokens=args.max_total_tokens, temperature=args.temperature,
+        max_total_tokens=args.max_total_tokens, temperature=args.temperature, max_active=args.max_active,
     )
     return RehearsalConfig(
         mode=mode, n=args.n, execution=execution, attempt=dataclasses.replace(execution, temperature=args.attempt_temperature),

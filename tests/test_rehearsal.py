@@ -191,6 +191,42 @@ def test_batch_over_tasks_and_run_with_rehearsal(tokenizer):
     assert acc["per_task"][0]["memory"] == NOTES and len(acc["per_task"][1]["evaluations"]) == 2
 
 
+class PeakSessions(ScriptedGenerator):
+    """Records the most sessions open at once and the largest `generate` call: what holds KV cache."""
+
+    def __init__(self, tokenizer, reply):
+        super().__init__(tokenizer, reply)
+        self.peak_open = self.peak_call = 0
+
+    def open(self, n):
+        ids = super().open(n)
+        self.peak_open = max(self.peak_open, len(self.sequences))
+        return ids
+
+    def generate(self, sessions, new_tokens, params):
+        self.peak_call = max(self.peak_call, len(sessions))
+        return super().generate(sessions, new_tokens, params)
+
+
+@pytest.mark.parametrize("mode", ["parallel", "sequential"])
+def test_max_active_bounds_attempts_evaluations_and_summaries(tokenizer, mode):
+    """5 tasks x N = 3 is 15 attempts and 15 evaluations; with max_active 4 no more than 4 sessions
+    are ever open, and every attempt is still evaluated and every task summarised."""
+    tasks = [dataclasses.replace(counter_task(), id=f"t{i}") for i in range(5)]
+    model = Model()
+    rehearser = PeakSessions(tokenizer, model)
+    config = RehearsalConfig(mode=mode, n=3, execution=RolloutConfig(max_active=4))
+    results = Rehearser(rehearser, WorldEnvironment(), config).rehearse_batch(tasks)
+    assert rehearser.peak_open == 4 and rehearser.peak_call == 4
+    assert [len(r.attempts) for r in results] == [3] * 5 and [len(r.evaluations) for r in results] == [3] * 5
+    assert model.evaluations == 15 and all(r.memory == NOTES for r in results)
+    assert rehearser.sequences == {}  # every session closed
+
+    unbounded = PeakSessions(tokenizer, Model())
+    Rehearser(unbounded, WorldEnvironment(), RehearsalConfig(mode=mode, n=3)).rehearse_batch(tasks)
+    assert unbounded.peak_open == (15 if mode == "parallel" else 5)  # without it: all at once
+
+
 def test_mode_none_is_the_plain_committed_run(tokenizer):
     policy = Model().generator(tokenizer)
     result = Rehearser(policy, WorldEnvironment(), RehearsalConfig(mode="none")).run(counter_task())
