@@ -112,7 +112,7 @@ def load_trainable(spec: str, lora_r: int, lora_alpha: int, device: Any, tiny: b
         model = get_peft_model(model, LoraConfig(r=lora_r, lora_alpha=lora_alpha, target_modules=target, lora_dropout=0.0, task_type="CAUSAL_LM"))
     if activation_checkpointing:
         # Non-reentrant: works with frozen inputs (LoRA) and with the forward hook sequence_logprobs uses.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model, tokenizer
 
 
