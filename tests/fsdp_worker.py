@@ -42,7 +42,7 @@ def main(out: str) -> None:
     results = {}
     for name, overrides in CASES.items():
         model = tiny_model(**overrides)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         for layer in model.model.layers:
             fully_shard(layer, reshard_after_forward=True)
@@ -51,6 +51,9 @@ def main(out: str) -> None:
             results[f"{name}/{'packed' if packed else 'plain'}"] = loss_and_grads(model, packed)
     if dist.get_rank() == 0:
         torch.save(results, out)
+    # Both ranks leave together: a rank that exits while the other is still writing closes its gloo
+    # connection under it, and gloo's background thread then aborts that rank (seen once in CI: SIGABRT).
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -404,7 +404,7 @@ def test_sequence_logprobs_and_gradients_under_fsdp2_sharding_equal_one_unsharde
     sharded = torch.load(out)
     for name, overrides in CASES.items():
         model = tiny_model(**overrides)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         for packed in (False, True):
             logprobs, grads = loss_and_grads(model, packed)
