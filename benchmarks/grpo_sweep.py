@@ -5,6 +5,7 @@ by task with its own warm start (issue #13, "search before guessing").
     python benchmarks/grpo_sweep.py --out runs/sweep                      # every row
     python benchmarks/grpo_sweep.py --out runs/sweep --rows demo,lr-5e-5   # some rows
     python benchmarks/grpo_sweep.py --out runs/sweep --warm runs/demo/sft/final   # reuse a warm start
+    python benchmarks/grpo_sweep.py --out runs/sweep4 --rows sft-24-8-tasks-6-steps --warm runs/ws24/sft/final
 
 Stages (each in a fresh process, as in the demo; rerun the same command to continue: finished
 stages are kept in results.json):
@@ -48,6 +49,8 @@ ROWS: dict[str, dict] = {
     "sft-24-lr-1e-4-8-steps": {"sft_per_world": 24, "rl_lr": 1e-4, "rl_steps": 8},
     "sft-24-12-steps": {"sft_per_world": 24, "rl_steps": 12},
     "sft-24-temp-1.0-12-steps": {"sft_per_world": 24, "rl_temperature": 1.0, "rl_steps": 12},
+    # More rows with a signal per Adam step: 8 tasks x K = 4 (32 rows) per step instead of 3 x 4.
+    "sft-24-8-tasks-6-steps": {"sft_per_world": 24, "rl_tasks_per_step": 8, "rl_steps": 6},
 }
 
 
@@ -102,7 +105,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/sweep")
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated rows of {list(ROWS)}")
-    p.add_argument("--warm", default=None, help="an existing warm start (e.g. runs/demo/sft/final) instead of training the demo's")
+    p.add_argument("--warm", default=None, help="an existing warm start trained with the rows' SFT settings (e.g. runs/demo/sft/final for "
+                   "the demo's) instead of training it; every row must share those settings")
     args = p.parse_args()
     rows = args.rows.split(",")
     if unknown := [r for r in rows if r not in ROWS]:
@@ -116,13 +120,14 @@ def main() -> None:
     configs = {row: dataclasses.replace(base, **ROWS[row]) for row in rows}
     for cfg in configs.values():
         cfg.validate()  # every row fails here, before any model loads
+    if args.warm and len({warm_name(cfg) for cfg in configs.values()}) > 1:
+        raise SystemExit(f"--warm is one warm start, but these rows need different ones: {sorted({warm_name(c) for c in configs.values()})}")
     warm_starts: dict[str, str] = {}
     for row, cfg in configs.items():
         name = warm_name(cfg)
         if name not in warm_starts:
             sft_stage = "sft" if name == "warm" else f"sft-{name}"
-            warm_starts[name] = (args.warm if name == "warm" and args.warm else
-                                 stage(results, path, sft_stage, (run_sft, sft_config(cfg, out / sft_stage)))["result"]["final_model"])
+            warm_starts[name] = args.warm or stage(results, path, sft_stage, (run_sft, sft_config(cfg, out / sft_stage)))["result"]["final_model"]
             stage(results, path, f"eval-{name}", (evaluate_model, warm_starts[name], cfg, "real", out / f"eval-{name}"))
         trained = stage(results, path, f"train-{row}", (run_train, train_config(cfg, out / f"train-{row}", init_from=warm_starts[name])))["result"]
         stage(results, path, f"eval-{row}", (evaluate_model, trained["final_model"], cfg, "real", out / f"eval-{row}"))
