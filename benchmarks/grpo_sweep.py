@@ -120,8 +120,9 @@ def main() -> None:
     configs = {row: dataclasses.replace(base, **ROWS[row]) for row in rows}
     for cfg in configs.values():
         cfg.validate()  # every row fails here, before any model loads
-    if args.warm and len({warm_name(cfg) for cfg in configs.values()}) > 1:
-        raise SystemExit(f"--warm is one warm start, but these rows need different ones: {sorted({warm_name(c) for c in configs.values()})}")
+    needed = sorted({warm_name(cfg) for cfg in configs.values()})
+    if args.warm and len(needed) > 1:
+        raise SystemExit(f"--warm is one warm start, but these rows need different ones: {needed}")
     warm_starts: dict[str, str] = {}
     for row, cfg in configs.items():
         name = warm_name(cfg)
