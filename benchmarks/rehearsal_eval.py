@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from envace.config import ConfigError
 from envace.metrics import wilson_interval
 from envace.rehearsal import RehearsalConfig, RehearsalGuard, RehearsalPrompts, run_with_rehearsal
 from envace.rewards import Context, compute_rewards
@@ -119,6 +120,11 @@ def fill_docs(path: Path, block: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    try:
+        for mode in args.modes:  # a bad limit fails here, before any model loads
+            rehearsal_config(args, mode).validate()
+    except ConfigError as e:
+        raise SystemExit(f"rehearsal_eval.py: {e}") from None
     from envace.backends import make_generator
     from envace.envs.environment import WorldEnvironment
     from envace.envs.tasks import builtin_tasks

@@ -227,6 +227,14 @@ def test_max_active_bounds_attempts_evaluations_and_summaries(tokenizer, mode):
     assert unbounded.peak_open == (15 if mode == "parallel" else 5)  # without it: all at once
 
 
+def test_rehearsal_eval_rejects_a_bad_limit_before_any_model_loads(monkeypatch):
+    from benchmarks import rehearsal_eval
+
+    monkeypatch.setattr("envace.backends.make_generator", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit, match="max_active must be >= 1, or 0 for all at once, got -1"):
+        rehearsal_eval.main(["--max-active", "-1"])
+
+
 def test_mode_none_is_the_plain_committed_run(tokenizer):
     policy = Model().generator(tokenizer)
     result = Rehearser(policy, WorldEnvironment(), RehearsalConfig(mode="none")).run(counter_task())
