@@ -6,6 +6,7 @@ by task with its own warm start (issue #13, "search before guessing").
     python benchmarks/grpo_sweep.py --out runs/sweep --rows demo,lr-5e-5   # some rows
     python benchmarks/grpo_sweep.py --out runs/sweep --warm runs/demo/sft/final   # reuse a warm start
     python benchmarks/grpo_sweep.py --out runs/sweep4 --rows sft-24-8-tasks-6-steps --warm runs/ws24/sft/final
+    python benchmarks/grpo_sweep.py --out runs/sweep4 --rows sft-24-8-tasks-6-steps,sft-24-8-tasks-12-steps,sft-24-8-tasks-18-steps,sft-24-8-tasks-24-steps --warm runs/ws24/sft/final
 
 Stages (each in a fresh process, as in the demo; rerun the same command to continue: finished
 stages are kept in results.json):
@@ -24,10 +25,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 import time
 from pathlib import Path
 
 from envace.demo import DemoConfig, compare, evaluate_model, in_fresh_process, sft_config, train_config
+from envace.training.checkpoint import latest_checkpoint
 from envace.training.sft import run_sft
 from envace.training.trainer import run_train
 
@@ -51,6 +54,23 @@ ROWS: dict[str, dict] = {
     "sft-24-temp-1.0-12-steps": {"sft_per_world": 24, "rl_temperature": 1.0, "rl_steps": 12},
     # More rows with a signal per Adam step: 8 tasks x K = 4 (32 rows) per step instead of 3 x 4.
     "sft-24-8-tasks-6-steps": {"sft_per_world": 24, "rl_tasks_per_step": 8, "rl_steps": 6},
+    "sft-24-8-tasks-12-steps": {"sft_per_world": 24, "rl_tasks_per_step": 8, "rl_steps": 12},
+    "sft-24-8-tasks-18-steps": {"sft_per_world": 24, "rl_tasks_per_step": 8, "rl_steps": 18},
+    "sft-24-8-tasks-24-steps": {"sft_per_world": 24, "rl_tasks_per_step": 8, "rl_steps": 24},
+    # That warm start samples at 0.008-0.034 nats per trained token at T = 0.5: its K rollouts mostly repeat each other.
+    "sft-24-8-tasks-temp-1.0-6-steps": {"sft_per_world": 24, "rl_tasks_per_step": 8, "rl_temperature": 1.0, "rl_steps": 6},
+    "sft-24-8-tasks-temp-1.0-12-steps": {"sft_per_world": 24, "rl_tasks_per_step": 8, "rl_temperature": 1.0, "rl_steps": 12},
+}
+
+# A continued row resumes the finished run of the row it names for its further steps: with the
+# constant schedule that is the same run as training it from the start (tests/test_training.py,
+# test_resume_reaches_the_same_weights_as_an_uninterrupted_run), so a curve evaluated at 6, 12, 18 and
+# 24 steps costs 24 steps of training, not 60. Its "train s" counts its own steps only.
+CONTINUES: dict[str, str] = {
+    "sft-24-8-tasks-12-steps": "sft-24-8-tasks-6-steps",
+    "sft-24-8-tasks-18-steps": "sft-24-8-tasks-12-steps",
+    "sft-24-8-tasks-24-steps": "sft-24-8-tasks-18-steps",
+    "sft-24-8-tasks-temp-1.0-12-steps": "sft-24-8-tasks-temp-1.0-6-steps",
 }
 
 
@@ -61,6 +81,26 @@ def warm_name(cfg: DemoConfig) -> str:
     """The warm start a row starts from, named by the SFT settings it changes ("warm": the demo's)."""
     changed = [f"{f}={getattr(cfg, f)}" for f in SFT_FIELDS if getattr(cfg, f) != getattr(DemoConfig(), f)]
     return "-".join(["warm", *changed])
+
+
+def check_continued(rows: list[str], configs: dict[str, DemoConfig], results: dict) -> None:
+    """A continued row differs from the row it continues in more steps only, and that row has
+    trained already or comes before it in --rows."""
+    for i, row in enumerate(rows):
+        if (parent := CONTINUES.get(row)) is None:
+            continue
+        if f"train-{parent}" not in results and parent not in rows[:i]:
+            raise SystemExit(f"row {row} continues row {parent}'s run: put {parent} before it in --rows")
+        mine, theirs = configs[row], dataclasses.replace(configs[row], **ROWS[parent])
+        if dataclasses.replace(mine, rl_steps=theirs.rl_steps) != theirs or mine.rl_steps <= theirs.rl_steps:
+            raise SystemExit(f"row {row} must differ from {parent}, which it continues, in more rl_steps only")
+
+
+def start_as_copy(parent_dir: Path, run_dir: Path) -> None:
+    """run_dir starts as a copy of parent_dir's run (checkpoints, config, metrics; not its final
+    model) unless it holds a checkpoint already: an interrupted continuation resumes where it stopped."""
+    if latest_checkpoint(run_dir) is None:
+        shutil.copytree(parent_dir, run_dir, ignore=shutil.ignore_patterns("final"), dirs_exist_ok=True)
 
 
 def stage(results: dict, path: Path, name: str, fn) -> dict:
@@ -107,6 +147,7 @@ def main() -> None:
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated rows of {list(ROWS)}")
     p.add_argument("--warm", default=None, help="an existing warm start trained with the rows' SFT settings (e.g. runs/demo/sft/final for "
                    "the demo's) instead of training it; every row must share those settings")
+    p.add_argument("--seed", type=int, default=0, help="every stage's seed (SFT, GRPO sampling and tasks, the test tasks); one per --out")
     args = p.parse_args()
     rows = args.rows.split(",")
     if unknown := [r for r in rows if r not in ROWS]:
@@ -114,12 +155,15 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.json"
-    results = json.loads(path.read_text()) if path.exists() else {}
-    base = DemoConfig(output_dir=str(out), progress=False)
+    results = json.loads(path.read_text()) if path.exists() else {"seed": args.seed}
+    if results.get("seed", 0) != args.seed:  # a results.json from before --seed was seed 0
+        raise SystemExit(f"{out} holds a sweep with seed {results.get('seed', 0)}: pass that --seed or another --out")
+    base = DemoConfig(output_dir=str(out), progress=False, seed=args.seed)
     base.validate()
     configs = {row: dataclasses.replace(base, **ROWS[row]) for row in rows}
     for cfg in configs.values():
         cfg.validate()  # every row fails here, before any model loads
+    check_continued(rows, configs, results)
     needed = sorted({warm_name(cfg) for cfg in configs.values()})
     if args.warm and len(needed) > 1:
         raise SystemExit(f"--warm is one warm start, but these rows need different ones: {needed}")
@@ -130,7 +174,11 @@ def main() -> None:
             sft_stage = "sft" if name == "warm" else f"sft-{name}"
             warm_starts[name] = args.warm or stage(results, path, sft_stage, (run_sft, sft_config(cfg, out / sft_stage)))["result"]["final_model"]
             stage(results, path, f"eval-{name}", (evaluate_model, warm_starts[name], cfg, "real", out / f"eval-{name}"))
-        trained = stage(results, path, f"train-{row}", (run_train, train_config(cfg, out / f"train-{row}", init_from=warm_starts[name])))["result"]
+        train = train_config(cfg, out / f"train-{row}", init_from=warm_starts[name])
+        if (parent := CONTINUES.get(row)) and f"train-{row}" not in results:
+            start_as_copy(out / f"train-{parent}", out / f"train-{row}")
+            train.resume = True
+        trained = stage(results, path, f"train-{row}", (run_train, train))["result"]
         stage(results, path, f"eval-{row}", (evaluate_model, trained["final_model"], cfg, "real", out / f"eval-{row}"))
         results[f"warm-of-{row}"] = name
         results[f"compare-{row}"] = compare(out / f"eval-{name}", out / f"eval-{row}")

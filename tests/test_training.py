@@ -1,9 +1,11 @@
 """Trainer and SFT on a tiny random model over the real tokenizer, with the small Counter world."""
 
+import dataclasses
 import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -192,12 +194,35 @@ def test_resume_reaches_the_same_weights_as_an_uninterrupted_run(tmp_path, task_
     full.fit()
     part = Trainer(build(TrainConfig, dict(SMALL, tasks=task_file, output_dir=str(tmp_path / "part"), steps=1)))
     part.fit()
-    resumed = Trainer(build(TrainConfig, dict(SMALL, tasks=task_file, output_dir=str(tmp_path / "part"), resume=True)))
+    # Extended to 2 steps in a copy of the run (benchmarks/grpo_sweep.py's continued rows), which
+    # also saves at another interval: neither changes what is trained.
+    shutil.copytree(tmp_path / "part", tmp_path / "copy")
+    resumed = Trainer(build(TrainConfig, dict(SMALL, tasks=task_file, output_dir=str(tmp_path / "copy"), save_every=2, resume=True)))
     assert resumed.step == 1
     resumed.fit()
     assert torch.allclose(params(full.models.policy), params(resumed.models.policy), atol=1e-6)
-    steps = [json.loads(line)["step"] for line in open(tmp_path / "part" / "metrics.jsonl")]
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "copy" / "metrics.jsonl")]
     assert steps == [1, 2]
+
+
+def test_a_cosine_run_cannot_be_resumed_with_other_steps(tmp_path):
+    """A cosine's learning rate at every step depends on --steps: extending such a run would train
+    its remaining steps on another schedule than the one it started, so --resume refuses it."""
+    import yaml
+
+    from envace import config as cfgmod
+    from envace.training.setup import check_resume
+
+    cfg = build(TrainConfig, dict(tiny=True, output_dir=str(tmp_path), steps=6, schedule="cosine"))
+    (tmp_path / "checkpoints" / "step-00000003").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-00000003" / "state.json").write_text("{}")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfgmod.to_dict(cfg)))
+    assert check_resume(tmp_path, cfg, resume=True) is not None
+    with pytest.raises(ConfigError, match="options differ.*steps"):
+        check_resume(tmp_path, dataclasses.replace(cfg, steps=12), resume=True)
+    constant = dataclasses.replace(cfg, schedule="constant")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfgmod.to_dict(constant)))
+    assert check_resume(tmp_path, dataclasses.replace(constant, steps=12), resume=True) is not None
 
 
 def test_existing_run_needs_resume_flag(tmp_path, task_file):

@@ -245,7 +245,12 @@ def check_resume(path: Path, cfg: Any, resume: bool) -> Path | None:
     if saved is not None:
         # An option the saved run predates counts as its default (a newer envace resumes older runs).
         defaults = cfgmod.to_dict(type(cfg)())
-        changed = sorted(k for k in current if k not in ("resume", "progress", "steps") and saved.get(k, defaults.get(k)) != current[k])
+        # Options that change where, how often or how visibly the run saves, not what it trains: a run
+        # copied elsewhere resumes there, and --steps extends it (a constant schedule does not depend on it).
+        free = {"resume", "progress", "output_dir", "save_every", "keep_last", "tensorboard", "wandb", "wandb_project", "steps"}
+        if current.get("schedule") == "cosine":
+            free.discard("steps")  # the cosine's learning rate at every step depends on the total
+        changed = sorted(k for k in current if k not in free and saved.get(k, defaults.get(k)) != current[k])
         if changed:
             raise ConfigError(f"cannot resume {path}: options differ from the saved run: {', '.join(changed)}")
     return latest
