@@ -84,7 +84,7 @@ def warm_name(cfg: DemoConfig) -> str:
     return "-".join(["warm", *changed])
 
 
-def check_continued(rows: list[str], configs: dict[str, DemoConfig], results: dict) -> None:
+def check_continued(rows: list[str], base: DemoConfig, results: dict) -> None:
     """A continued row differs from the row it continues in more steps only, and that row has
     trained already or comes before it in --rows."""
     for i, row in enumerate(rows):
@@ -92,7 +92,7 @@ def check_continued(rows: list[str], configs: dict[str, DemoConfig], results: di
             continue
         if f"train-{parent}" not in results and parent not in rows[:i]:
             raise SystemExit(f"row {row} continues row {parent}'s run: put {parent} before it in --rows")
-        mine, theirs = configs[row], dataclasses.replace(configs[row], **ROWS[parent])
+        mine, theirs = dataclasses.replace(base, **ROWS[row]), dataclasses.replace(base, **ROWS[parent])
         if dataclasses.replace(mine, rl_steps=theirs.rl_steps) != theirs or mine.rl_steps <= theirs.rl_steps:
             raise SystemExit(f"row {row} must differ from {parent}, which it continues, in more rl_steps only")
 
@@ -205,7 +205,7 @@ def main() -> None:
     configs = {row: dataclasses.replace(base, **ROWS[row]) for row in rows}
     for cfg in configs.values():
         cfg.validate()  # every row fails here, before any model loads
-    check_continued(rows, configs, results)
+    check_continued(rows, base, results)
     needed = sorted({warm_name(cfg) for cfg in configs.values()})
     if args.warm and len(needed) > 1:
         raise SystemExit(f"--warm is one warm start, but these rows need different ones: {needed}")

@@ -1,0 +1,44 @@
+"""benchmarks/grpo_sweep.py's continued rows: a row that resumes another row's finished run for
+more steps (the resume itself: tests/test_training.py::test_resume_reaches_the_same_weights_as_an_uninterrupted_run)."""
+
+import pytest
+
+from benchmarks import grpo_sweep
+from envace.demo import DemoConfig
+
+SIX, TWELVE, EIGHTEEN = "sft-24-8-tasks-6-steps", "sft-24-8-tasks-12-steps", "sft-24-8-tasks-18-steps"
+
+
+def test_a_continued_row_needs_the_run_it_continues_first():
+    grpo_sweep.check_continued([SIX, TWELVE], DemoConfig(), {})
+    grpo_sweep.check_continued([TWELVE], DemoConfig(), {f"train-{SIX}": {}})  # trained by an earlier call
+    with pytest.raises(SystemExit, match=f"row {TWELVE} continues row {SIX}'s run: put {SIX} before it"):
+        grpo_sweep.check_continued([TWELVE, SIX], DemoConfig(), {})
+
+
+def test_a_continued_row_may_differ_in_more_steps_only(monkeypatch):
+    monkeypatch.setitem(grpo_sweep.ROWS, "other-lr-12-steps", dict(grpo_sweep.ROWS[TWELVE], rl_lr=1e-5))
+    monkeypatch.setitem(grpo_sweep.CONTINUES, "other-lr-12-steps", SIX)
+    rows = [SIX, "other-lr-12-steps"]
+    with pytest.raises(SystemExit, match=f"must differ from {SIX}, which it continues, in more rl_steps only"):
+        grpo_sweep.check_continued(rows, DemoConfig(), {})
+
+
+def test_rows_group_into_the_runs_they_continue():
+    assert grpo_sweep.chains(["demo", SIX, "lr-5e-5", TWELVE, EIGHTEEN]) == [["demo"], [SIX, TWELVE, EIGHTEEN], ["lr-5e-5"]]
+
+
+def test_a_continued_run_starts_as_a_copy_without_the_final_model(tmp_path):
+    parent, child = tmp_path / "train-6", tmp_path / "train-12"
+    (parent / "checkpoints" / "step-00000006").mkdir(parents=True)
+    (parent / "checkpoints" / "step-00000006" / "state.json").write_text("{}")
+    (parent / "final").mkdir()
+    (parent / "metrics.jsonl").write_text('{"step": 6}\n')
+    grpo_sweep.start_as_copy(parent, child)
+    assert (child / "checkpoints" / "step-00000006" / "state.json").is_file()
+    assert (child / "metrics.jsonl").read_text() == '{"step": 6}\n'
+    assert not (child / "final").exists()
+    # An interrupted continuation keeps its own progress: nothing is copied over it.
+    (child / "metrics.jsonl").write_text('{"step": 6}\n{"step": 7}\n')
+    grpo_sweep.start_as_copy(parent, child)
+    assert (child / "metrics.jsonl").read_text().count("step") == 2
