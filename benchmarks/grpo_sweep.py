@@ -61,6 +61,9 @@ ROWS: dict[str, dict] = {
     # At T = 0.5 that warm start samples its ACT tokens at 0.000-0.040 nats of entropy: its K rollouts mostly repeat each other.
     "sft-24-8-tasks-temp-1.0-6-steps": {"sft_per_world": 24, "rl_tasks_per_step": 8, "rl_temperature": 1.0, "rl_steps": 6},
     "sft-24-8-tasks-temp-1.0-12-steps": {"sft_per_world": 24, "rl_tasks_per_step": 8, "rl_temperature": 1.0, "rl_steps": 12},
+    # The same 32 rows per step as 8 tasks x K = 4, spent on more rollouts per task at T = 0.5: a
+    # near-deterministic policy more often samples one differing trajectory in 8 than in 4.
+    "sft-24-k-8-6-steps": {"sft_per_world": 24, "rl_tasks_per_step": 4, "rl_k": 8, "rl_steps": 6},
 }
 
 # A continued row resumes the finished run of the row it names for its further steps: with the
