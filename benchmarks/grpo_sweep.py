@@ -7,13 +7,14 @@ by task with its own warm start (issue #13, "search before guessing").
     python benchmarks/grpo_sweep.py --out runs/sweep --warm runs/demo/sft/final   # reuse a warm start
     python benchmarks/grpo_sweep.py --out runs/sweep4 --rows sft-24-8-tasks-6-steps --warm runs/ws24/sft/final
     python benchmarks/grpo_sweep.py --out runs/sweep4 --rows sft-24-8-tasks-6-steps,sft-24-8-tasks-12-steps,sft-24-8-tasks-18-steps,sft-24-8-tasks-24-steps --warm runs/ws24/sft/final
+    python benchmarks/grpo_sweep.py --out runs/sweep6 --eval-per-world 24 --trained runs/sweep5 --rows sft-24-8-tasks-6-steps   # sweep5's models on 120 test tasks
 
 Stages (each in a fresh process, as in the demo; rerun the same command to continue: finished
 stages are kept in results.json):
   1. the demo's SFT warm start (`envace demo`'s defaults; --warm names an existing one instead),
      and one more per distinct SFT setting that a row changes
   2. each warm start's greedy evaluation on the demo's 40 test tasks (8 per world, the held-out
-     world's included)
+     world's included; --eval-per-world 24: 120, the 40 among them)
   3. per row: the demo's GRPO stage with the row's settings (envace variant, rehearse mode, the
      partial-credit reward), evaluated on the same 40 tasks, compared with its warm start task by
      task (paired bootstrap, success and partial credit)
@@ -64,6 +65,13 @@ ROWS: dict[str, dict] = {
     # The same 32 rows per step as 8 tasks x K = 4, spent on more rollouts per task at T = 0.5: a
     # near-deterministic policy more often samples one differing trajectory in 8 than in 4.
     "sft-24-k-8-6-steps": {"sft_per_world": 24, "rl_tasks_per_step": 4, "rl_k": 8, "rl_steps": 6},
+    # The control: the 8 x 4 row's GRPO against the real worlds (no rehearsal), so that a row that does
+    # not learn says whether rehearsal or the GRPO stage itself is what fails.
+    "sft-24-8-tasks-real-6-steps": {"sft_per_world": 24, "rl_tasks_per_step": 8, "rl_real_fraction": 1.0, "rl_steps": 6},
+    # An entropy-preserving warm start: one SFT epoch rather than two leaves the policy less sure of
+    # one trajectory, so a task's K rollouts differ more often (the 8 x 4 row's otherwise).
+    "sft-24-1-epoch-8-tasks-6-steps": {"sft_per_world": 24, "sft_epochs": 1, "rl_tasks_per_step": 8, "rl_steps": 6},
+    "sft-24-1-epoch-8-tasks-12-steps": {"sft_per_world": 24, "sft_epochs": 1, "rl_tasks_per_step": 8, "rl_steps": 12},
 }
 
 # A continued row resumes the finished run of the row it names for its further steps: with the
@@ -75,6 +83,7 @@ CONTINUES: dict[str, str] = {
     "sft-24-8-tasks-18-steps": "sft-24-8-tasks-12-steps",
     "sft-24-8-tasks-24-steps": "sft-24-8-tasks-18-steps",
     "sft-24-8-tasks-temp-1.0-12-steps": "sft-24-8-tasks-temp-1.0-6-steps",
+    "sft-24-1-epoch-8-tasks-12-steps": "sft-24-1-epoch-8-tasks-6-steps",
 }
 
 
@@ -105,6 +114,18 @@ def start_as_copy(parent_dir: Path, run_dir: Path) -> None:
     model) unless it holds a checkpoint already: an interrupted continuation resumes where it stopped."""
     if latest_checkpoint(run_dir) is None:
         shutil.copytree(parent_dir, run_dir, ignore=shutil.ignore_patterns("final"), dirs_exist_ok=True)
+
+
+def take_trained(results: dict, other: Path) -> None:
+    """The finished training stages (warm starts and GRPO runs) of the sweep in `other` become this
+    sweep's, so that its models are evaluated again (on more test tasks) rather than retrained:
+    training depends on the seed and the rows' settings, not on the evaluation's size."""
+    theirs = json.loads((other / "results.json").read_text())
+    if theirs.get("seed", 0) != results["seed"]:
+        raise SystemExit(f"--trained {other} was trained with seed {theirs.get('seed', 0)}, this sweep uses seed {results['seed']}")
+    for name, value in theirs.items():
+        if name.startswith(("sft", "train-")):
+            results.setdefault(name, value)
 
 
 def stage(results: dict, path: Path, name: str, fn) -> dict:
@@ -193,6 +214,12 @@ def main() -> None:
     p.add_argument("--warm", default=None, help="an existing warm start trained with the rows' SFT settings (e.g. runs/demo/sft/final for "
                    "the demo's) instead of training it; every row must share those settings")
     p.add_argument("--seed", type=int, default=0, help="every stage's seed (SFT, GRPO sampling and tasks, the test tasks); one per --out")
+    p.add_argument("--eval-per-world", type=int, default=DemoConfig().eval_per_world,
+                   help="test tasks per world (5 worlds); one per --out. 8 (the demo's): a task moves success by 0.025")
+    p.add_argument("--eval-sampler-dtype", default=DemoConfig().eval_sampler_dtype, choices=("auto", "f32", "bf16"),
+                   help="numerics of the evaluations; one per --out (benchmarks/eval_noise.py: how far each moves a score by batch width alone)")
+    p.add_argument("--trained", default=None, help="another sweep's --out (same seed): its finished warm starts and GRPO runs are this "
+                   "sweep's, evaluated here rather than retrained (e.g. with a larger --eval-per-world)")
     args = p.parse_args()
     rows = args.rows.split(",")
     if unknown := [r for r in rows if r not in ROWS]:
@@ -200,10 +227,15 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.json"
-    results = json.loads(path.read_text()) if path.exists() else {"seed": args.seed}
-    if results.get("seed", 0) != args.seed:  # a results.json from before --seed was seed 0
-        raise SystemExit(f"{out} holds a sweep with seed {results.get('seed', 0)}: pass that --seed or another --out")
-    base = DemoConfig(output_dir=str(out), progress=False, seed=args.seed)
+    # Settings of the whole sweep, with what a results.json from before each existed used.
+    settings = {"seed": 0, "eval_per_world": DemoConfig().eval_per_world, "eval_sampler_dtype": "auto"}
+    results = json.loads(path.read_text()) if path.exists() else {key: getattr(args, key) for key in settings}
+    for key, default in settings.items():
+        if results.get(key, default) != getattr(args, key):
+            raise SystemExit(f"{out} holds a sweep with {key} {results.get(key, default)}: pass that --{key.replace('_', '-')} or another --out")
+    if args.trained:
+        take_trained(results, Path(args.trained))
+    base = DemoConfig(output_dir=str(out), progress=False, **{key: getattr(args, key) for key in settings})
     base.validate()
     configs = {row: dataclasses.replace(base, **ROWS[row]) for row in rows}
     for cfg in configs.values():
@@ -221,7 +253,7 @@ def main() -> None:
             stage(results, path, f"eval-{name}", (evaluate_model, warm_starts[name], cfg, "real", out / f"eval-{name}"))
         train = train_config(cfg, out / f"train-{row}", init_from=warm_starts[name])
         if (parent := CONTINUES.get(row)) and f"train-{row}" not in results:
-            start_as_copy(out / f"train-{parent}", out / f"train-{row}")
+            start_as_copy(Path(results[f"train-{parent}"]["result"]["run_dir"]), out / f"train-{row}")
             train.resume = True
         trained = stage(results, path, f"train-{row}", (run_train, train))["result"]
         stage(results, path, f"eval-{row}", (evaluate_model, trained["final_model"], cfg, "real", out / f"eval-{row}"))

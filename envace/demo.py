@@ -47,6 +47,8 @@ class DemoConfig:
     rl_real_fraction: float = field(0.0, help="share of each GRPO step's tasks rolled out against the real world (the rest rehearsed)")
     rl_reward: str = field("partial", help="GRPO reward: partial (the verifier's partial credit: signal before a task is solved) or replay (0/1)")
     difficulty: int = field(1, help="task difficulty for training and evaluation")
+    eval_sampler_dtype: str = field("auto", help="numerics of the greedy evaluations (auto, f32, bf16): see benchmarks/eval_noise.py for how "
+                                                 "far each moves a model's score by batch width alone")
     eval_rehearse: bool = field(False, help="also evaluate the trained model in rehearse mode (fidelity on the test tasks; training logs it per step)")
     seed: int = field(0, help="seed")
     progress: bool = field(True, help="progress bars")
@@ -64,17 +66,22 @@ class DemoConfig:
             raise ConfigError(f"rl_real_fraction must be in [0, 1], got {self.rl_real_fraction}")
         if self.rl_reward not in ("partial", "replay"):
             raise ConfigError(f"rl_reward must be partial or replay, got {self.rl_reward!r}")
+        if self.eval_sampler_dtype not in ("auto", "f32", "bf16"):
+            raise ConfigError(f"eval_sampler_dtype must be auto, f32 or bf16, got {self.eval_sampler_dtype!r}")
         if self.difficulty not in (1, 2, 3):
             raise ConfigError(f"difficulty must be 1, 2 or 3, got {self.difficulty}")
 
 
-def evaluate_model(model: str, cfg: DemoConfig, mode: str, out: Path) -> dict[str, Any]:
+def evaluate_model(model: str, cfg: DemoConfig, mode: str, out: Path, max_active: int | None = None) -> dict[str, Any]:
+    """Greedy on the test split (the training worlds' test tasks and the held-out world's);
+    max_active: rollouts in flight, one padded batch (None: the rollout's default)."""
     from envace.evaluation.runner import EvalConfig, run_eval
 
-    # The test split holds the training worlds' test tasks and the held-out world's tasks.
+    in_flight = {} if max_active is None else {"max_active": max_active}
     return run_eval(build(EvalConfig, dict(model=model, split="test", n_per_world=cfg.eval_per_world, difficulty=cfg.difficulty, seed=cfg.seed,
-                                           output_dir=str(out), progress=cfg.progress, rollout=dict(mode=mode, max_turns=6, max_turn_tokens=cfg.max_turn_tokens,
-                                                                                                  max_rehearse_tokens=128, temperature=0.0))))
+                                           output_dir=str(out), progress=cfg.progress,
+                                           rollout=dict(mode=mode, max_turns=6, max_turn_tokens=cfg.max_turn_tokens, max_rehearse_tokens=128,
+                                                        temperature=0.0, sampler_dtype=cfg.eval_sampler_dtype, **in_flight))))
 
 
 def per_task(eval_dir: Path, key: str) -> dict[str, float]:

@@ -13,6 +13,8 @@ def test_demo_config_validation():
         build(DemoConfig, {"rl_temperature": 0.0})  # a greedy group has no advantages
     with pytest.raises(ConfigError, match="rl_real_fraction"):
         build(DemoConfig, {"rl_real_fraction": 1.5})
+    with pytest.raises(ConfigError, match="eval_sampler_dtype must be auto, f32 or bf16, got 'q8_0'"):
+        build(DemoConfig, {"eval_sampler_dtype": "q8_0"})  # llama.cpp's, not the evaluation's
 
 
 def test_demo_grpo_stage_takes_grounding_and_real_fraction_into_its_train_config(tmp_path):

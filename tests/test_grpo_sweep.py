@@ -42,3 +42,17 @@ def test_a_continued_run_starts_as_a_copy_without_the_final_model(tmp_path):
     (child / "metrics.jsonl").write_text('{"step": 6}\n{"step": 7}\n')
     grpo_sweep.start_as_copy(parent, child)
     assert (child / "metrics.jsonl").read_text().count("step") == 2
+
+
+def test_another_sweeps_trained_stages_are_taken_and_its_evaluations_are_not(tmp_path):
+    import json
+
+    theirs = {"seed": 0, "sft-warm": {"result": {"final_model": "a/sft/final"}}, "eval-warm": {"result": {"overall": {}}},
+              f"train-{SIX}": {"result": {"run_dir": "a/train"}}, f"eval-{SIX}": {"result": {"overall": {}}}}
+    (tmp_path / "results.json").write_text(json.dumps(theirs))
+    mine = {"seed": 0, f"train-{TWELVE}": {"result": {"run_dir": "mine"}}}
+    grpo_sweep.take_trained(mine, tmp_path)
+    assert sorted(mine) == sorted(["seed", "sft-warm", f"train-{SIX}", f"train-{TWELVE}"])
+    assert mine[f"train-{TWELVE}"] == {"result": {"run_dir": "mine"}}  # this sweep's own stage is kept
+    with pytest.raises(SystemExit, match="was trained with seed 0, this sweep uses seed 1"):
+        grpo_sweep.take_trained({"seed": 1}, tmp_path)
