@@ -68,6 +68,18 @@ def test_builtin_tasks_options():
         builtin_tasks("train", 2, difficulty=4)
 
 
+def test_excluded_scenarios_are_left_out_and_the_rest_keep_their_ids():
+    from envace.envs.tasks import scenario_key
+
+    plain = builtin_tasks("train", 6, worlds=["bank"], difficulty=1)
+    left_out = {scenario_key(plain[0]), scenario_key(plain[3])}
+    drawn = builtin_tasks("train", 5, worlds=["bank"], difficulty=1, exclude=left_out)
+    # the four not excluded of the first six, then the seventh, each under its own id
+    assert [t.id for t in drawn] == [f"bank-train-0-{i}" for i in (1, 2, 4, 5, 6)]
+    assert as_dicts(drawn[:4]) == as_dicts([plain[i] for i in (1, 2, 4, 5)])
+    assert not left_out & {scenario_key(t) for t in drawn}
+
+
 # ---- JSONL ---------------------------------------------------------------------------------
 
 def test_jsonl_round_trip(tmp_path, splits):

@@ -769,3 +769,21 @@ def test_world_executions_count_reward_replays_for_world_tasks_and_nothing_for_w
     trainer.logger.close()
     assert all(metrics[f"env/{p}_total"] == 0 for p in ("rollout", "verification", "grounding", "sft_data", "task_data"))
     assert metrics["reward/mean"] == 1.0  # the reference reward scored the rehearsed call with no world
+
+
+def test_grpo_from_a_warm_start_draws_built_in_tasks_it_was_not_trained_on(tmp_path):
+    from envace.envs.tasks import builtin_tasks, scenario_key
+    from envace.manifest import MANIFEST, build_manifest
+    from envace.training.trainer import load_train_tasks
+
+    warm = tmp_path / "warm"
+    warm.mkdir()
+    sft_tasks = builtin_tasks("train", 3, worlds=["bank"], difficulty=1)  # what an `envace sft --n-per-world 3` saw
+    (warm / MANIFEST).write_text(json.dumps(build_manifest(sft_tasks, None)))
+    cfg = build(TrainConfig, {"worlds": ["bank"], "n_per_world": 4, "init_from": str(warm), "output_dir": str(tmp_path / "run")})
+    assert [t.id for t in load_train_tasks(cfg)] == [f"bank-train-0-{i}" for i in (3, 4, 5, 6)]
+    # without a warm start, or with the option off, the first four
+    for overrides in ({"init_from": None}, {"unseen_tasks": False}):
+        tasks = load_train_tasks(dataclasses.replace(cfg, **overrides))
+        assert [t.id for t in tasks] == [f"bank-train-0-{i}" for i in range(4)]
+        assert {scenario_key(t) for t in sft_tasks} <= {scenario_key(t) for t in tasks}

@@ -357,18 +357,21 @@ def split_of(task: Task) -> str:
 
 
 def builtin_tasks(split: str, n_per_world: int, worlds: Iterable[str] | None = None,
-                  difficulty: int | None = None, seed: int = 0) -> list[Task]:
+                  difficulty: int | None = None, seed: int = 0, exclude: Iterable[str] = ()) -> list[Task]:
     """n_per_world distinct generated tasks per world. A scenario's hash decides its one split, so
-    train, val, test and heldout never share a task. difficulty None mixes levels 1-3.
+    train, val, test and heldout never share a task. difficulty None mixes levels 1-3. `exclude`:
+    scenario keys to leave out (a checkpoint's training tasks); the others keep the ids they have
+    without it, so one id names one scenario however the tasks were drawn.
     Bad options raise `ConfigError` (a ValueError), reported by the CLI as one line."""
     if split not in SPLITS:
         raise ConfigError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
     if difficulty not in (None, 1, 2, 3):
         raise ConfigError(f"difficulty must be 1, 2, 3 or None (mixed), got {difficulty!r}")
-    return [task for name in (worlds or SPLITS[split]) for task in _draw(name, split, n_per_world, difficulty, seed)]
+    excluded = frozenset(exclude)
+    return [task for name in (worlds or SPLITS[split]) for task in _draw(name, split, n_per_world, difficulty, seed, excluded)]
 
 
-def _draw(name: str, split: str, n: int, difficulty: int | None, seed: int) -> list[Task]:
+def _draw(name: str, split: str, n: int, difficulty: int | None, seed: int, excluded: frozenset[str]) -> list[Task]:
     cls = get_world(name)
     levels = [difficulty] if difficulty else [1, 2, 3]
     size = 8 * n // len(levels) + 8  # a split owns >= 15% of scenarios
@@ -382,11 +385,13 @@ def _draw(name: str, split: str, n: int, difficulty: int | None, seed: int) -> l
             if key not in seen and split_of(task) == split:
                 picked.append(task)
             seen.add(key)
-        if len(picked) >= n or size > 64 * n + 64:
+        kept = [t for t in picked if scenario_key(t) not in excluded]
+        if len(kept) >= n or size > 64 * (n + len(picked) - len(kept)) + 64:
             break
         size *= 2
-    if len(picked) < n:
-        raise ConfigError(f"world {name!r} yields only {len(picked)} distinct {split} tasks, asked for {n}")
-    for i, task in enumerate(picked[:n]):
+    if len(kept) < n:
+        besides = f" besides the {len(picked) - len(kept)} excluded" if len(kept) < len(picked) else ""
+        raise ConfigError(f"world {name!r} yields only {len(kept)} distinct {split} tasks{besides}, asked for {n}")
+    for i, task in enumerate(picked):
         task.id = f"{name}-{split}-{seed}-{i}"
-    return picked[:n]
+    return kept[:n]
