@@ -48,8 +48,9 @@ class DemoConfig:
     rl_unseen_tasks: bool = field(True, help="GRPO on training tasks the warm start was not trained on (off: the first ones, the SFT's own among them)")
     rl_reward: str = field("partial", help="GRPO reward: partial (the verifier's partial credit: signal before a task is solved) or replay (0/1)")
     difficulty: int = field(1, help="task difficulty for training and evaluation")
-    eval_sampler_dtype: str = field("auto", help="numerics of the greedy evaluations (auto, f32, bf16): see benchmarks/eval_noise.py for how "
-                                                 "far each moves a model's score by batch width alone")
+    eval_sampler_dtype: str = field("f32", help="numerics of the greedy evaluations (f32, bf16, auto). f32: the same trajectories whatever "
+                                                "else is in the batch; bf16 changed 25 of 120 with the rollouts in flight, 2 of them in "
+                                                "success, so two models' paired comparison would hold noise (benchmarks/eval_noise.py)")
     eval_rehearse: bool = field(False, help="also evaluate the trained model in rehearse mode (fidelity on the test tasks; training logs it per step)")
     seed: int = field(0, help="seed")
     progress: bool = field(True, help="progress bars")
