@@ -19,7 +19,7 @@ import json
 import time
 from pathlib import Path
 
-from envace.demo import DemoConfig, evaluate_model, in_fresh_process, per_task
+from envace.demo import EVAL_SAMPLER_DTYPES, DemoConfig, evaluate_model, in_fresh_process, per_task
 
 
 def parse_settings(text: str) -> list[tuple[str, int]]:
@@ -27,7 +27,7 @@ def parse_settings(text: str) -> list[tuple[str, int]]:
     settings = []
     for item in text.split(","):
         dtype, _, width = item.partition(":")
-        if dtype not in ("auto", "f32", "bf16") or not width.isdigit() or int(width) < 1:
+        if dtype not in EVAL_SAMPLER_DTYPES or not width.isdigit() or int(width) < 1:
             raise SystemExit(f"--settings: {item!r} is not DTYPE:WIDTH (DTYPE auto, f32 or bf16; WIDTH >= 1), e.g. bf16:64")
         settings.append((dtype, int(width)))
     return settings
@@ -67,8 +67,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.json"
     results = json.loads(path.read_text()) if path.exists() else {}
-    if results.get("model", args.model) != args.model or results.get("eval_per_world", args.eval_per_world) != args.eval_per_world:
-        raise SystemExit(f"{out} holds another model's or task count's results: use another --out")
+    # the flips compare the same tasks of the same model: one model, task count and seed per --out
+    for key in ("model", "eval_per_world", "seed"):
+        if results.get(key, getattr(args, key)) != getattr(args, key):
+            raise SystemExit(f"{out} holds results for {key} {results[key]!r}: pass that --{key.replace('_', '-')} or another --out")
     results.update(model=args.model, eval_per_world=args.eval_per_world, seed=args.seed)
     names = [f"{dtype}:{width}" for dtype, width in settings]
     for (dtype, width), name in zip(settings, names):

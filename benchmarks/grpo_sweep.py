@@ -31,7 +31,7 @@ import shutil
 import time
 from pathlib import Path
 
-from envace.demo import DemoConfig, compare, evaluate_model, in_fresh_process, sft_config, train_config
+from envace.demo import EVAL_SAMPLER_DTYPES, DemoConfig, compare, evaluate_model, in_fresh_process, sft_config, train_config
 from envace.training.checkpoint import latest_checkpoint
 from envace.training.sft import run_sft
 from envace.training.trainer import run_train
@@ -222,7 +222,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help="every stage's seed (SFT, GRPO sampling and tasks, the test tasks); one per --out")
     p.add_argument("--eval-per-world", type=int, default=DemoConfig().eval_per_world,
                    help="test tasks per world (5 worlds); one per --out. 8 (the demo's): a task moves success by 0.025")
-    p.add_argument("--eval-sampler-dtype", default=DemoConfig().eval_sampler_dtype, choices=("auto", "f32", "bf16"),
+    p.add_argument("--eval-sampler-dtype", default=DemoConfig().eval_sampler_dtype, choices=EVAL_SAMPLER_DTYPES,
                    help="numerics of the evaluations; one per --out (benchmarks/eval_noise.py: how far each moves a score by batch width alone)")
     p.add_argument("--trained", default=None, help="another sweep's --out (same seed): its finished warm starts and GRPO runs are this "
                    "sweep's, evaluated here rather than retrained (e.g. with a larger --eval-per-world)")

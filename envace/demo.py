@@ -23,6 +23,7 @@ from envace.config import ConfigError, build, field
 from envace.evaluation.report import markdown_table, pooled_success
 
 BASE, SFT, TRAINED = "base", "SFT", "SFT + rehearsal GRPO"
+EVAL_SAMPLER_DTYPES = ("auto", "f32", "bf16")  # a greedy evaluation's numerics (int8 is a speed setting, f16/q8_0 llama.cpp's)
 
 
 @dataclass
@@ -68,7 +69,7 @@ class DemoConfig:
             raise ConfigError(f"rl_real_fraction must be in [0, 1], got {self.rl_real_fraction}")
         if self.rl_reward not in ("partial", "replay"):
             raise ConfigError(f"rl_reward must be partial or replay, got {self.rl_reward!r}")
-        if self.eval_sampler_dtype not in ("auto", "f32", "bf16"):
+        if self.eval_sampler_dtype not in EVAL_SAMPLER_DTYPES:
             raise ConfigError(f"eval_sampler_dtype must be auto, f32 or bf16, got {self.eval_sampler_dtype!r}")
         if self.difficulty not in (1, 2, 3):
             raise ConfigError(f"difficulty must be 1, 2 or 3, got {self.difficulty}")
