@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from envace.algorithms.losses import (Row, collate, forwarded_tokens, pack_shared_prefixes, ppo_loss, recompute_old_logprobs, sequence_logprobs,
+from envace.algorithms.losses import (Row, collate, forwarded_tokens, pack_shared_prefixes, ppo_loss, sequence_logprobs,
                                       unit_length, unit_rows)
 from envace.backends import load_model
 from envace.training.setup import micro_batches
@@ -55,7 +55,7 @@ def step(model, units, pad_id: int, max_tokens: int, total: float, autocast, kee
         batch = collate(chunk, pad_id)
         with autocast():
             lp, _ = sequence_logprobs(model, batch)
-            loss, _ = ppo_loss(lp, batch.old_logprobs, batch.advantages, batch.loss_mask, num_tokens=total)
+            loss, _ = ppo_loss(lp, lp.detach(), batch.advantages, batch.loss_mask, num_tokens=total)  # the trainer's on-policy ratio
         loss.backward()
         logprobs |= {id(r): lp[i, 1 : len(r.input_ids)].detach() for i, r in enumerate(unit_rows(chunk))}
     seconds = time.perf_counter() - start
@@ -79,7 +79,7 @@ def main() -> None:
     model, tokenizer = load_model(args.model, device="cpu", dtype=torch.float32)
     pad = tokenizer.pad_token_id
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if args.precision == "bf16" else contextlib.nullcontext
-    rows = recompute_old_logprobs(model, group_rows(tokenizer, args.k, args.prefix, args.cont), pad, args.micro_batch_tokens, autocast=autocast)
+    rows = group_rows(tokenizer, args.k, args.prefix, args.cont)
     packed = pack_shared_prefixes(rows)
     total = float(sum(sum(r.loss_mask) for r in rows))
     model.train()

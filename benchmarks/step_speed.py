@@ -179,7 +179,7 @@ def update(model: Any, tokenizer: Any, limits: dict[str, float], args: argparse.
 
             def loss_fn(batch: Any) -> Any:
                 logprobs, _ = sequence_logprobs(model, batch, trained_only=True)
-                return ppo_loss(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, num_tokens=trained)
+                return ppo_loss(logprobs, batch.sampler_logprobs, batch.advantages, batch.loss_mask, num_tokens=trained)
 
             def step() -> None:
                 model.zero_grad(set_to_none=True)

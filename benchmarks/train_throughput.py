@@ -72,7 +72,7 @@ def measure(model, rows: list[Row], pad_id: int, max_tokens: int) -> dict[str, f
         batch = collate(chunk, pad_id)
         forwarded += int(batch.attention_mask.sum())
         logprobs, _ = sequence_logprobs(model, batch)
-        loss, _ = ppo_loss(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, num_tokens=float(total))
+        loss, _ = ppo_loss(logprobs, batch.sampler_logprobs, batch.advantages, batch.loss_mask, num_tokens=float(total))
         loss.backward()
     seconds = time.perf_counter() - start
     model.zero_grad(set_to_none=True)

@@ -2,8 +2,8 @@
 
 One GRPO step of the demo's settings (2 tasks x K = 4, rehearse mode, the step benchmark's
 alternating reward so every group trains), then the trainer's own update of those rollouts,
-twice (the first allocates AdamW's state), each phase timed: the old-logprob recompute (the
-sampler's numerics are not the update's), the forward+backward, gradient clipping + AdamW. Then
+twice (the first allocates AdamW's state), each phase timed: the forward+backward (the PPO
+ratio's old logprobs are its own, detached: no recompute forward), gradient clipping + AdamW. Then
 the same forward+backward under torch.profiler, its CPU time split into weight matmuls,
 attention and the rest, against this run's own matmul peak:
 
@@ -73,7 +73,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     timer = PhaseTimer()
-    for name, attr in (("recompute", "recompute_old_logprobs"), ("forward+backward", "backward_micro_batches"), ("clip+AdamW", "clip_and_step")):
+    for name, attr in (("forward+backward", "backward_micro_batches"), ("clip+AdamW", "clip_and_step")):
         timer.wrap(name, attr)
     with tempfile.TemporaryDirectory() as run_dir:
         cfg = build(TrainConfig, dict(model=args.model, init_from=args.init_from, variant="envace", tasks_per_step=2, k=4, lr=1e-5, difficulty=1, seed=0,

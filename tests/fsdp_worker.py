@@ -30,7 +30,7 @@ def rows() -> list:
 def loss_and_grads(model: torch.nn.Module, packed: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     batch = collate(pack_shared_prefixes(rows()) if packed else rows(), pad_id=0)
     logprobs, _ = sequence_logprobs(model, batch, chunk_size=4, temperature=0.7)
-    loss, _ = ppo_loss(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, dual_clip=3.0)
+    loss, _ = ppo_loss(logprobs, batch.sampler_logprobs, batch.advantages, batch.loss_mask, dual_clip=3.0)
     loss.backward()
     grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)

@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from envace.algorithms import ADVANTAGES, Row, build_rows, collate, group_metrics, ppo_loss, ppo_token_loss, sequence_logprobs
 from envace.algorithms.losses import (PREFIX_GROUPED_ATTENTION, PackedLayout, PackedRows, forwarded_tokens, pack_shared_prefixes,
-                                      prefix_grouped_attention, lockstep_micro_batches, recompute_old_logprobs, rows_with_signal, shared_prefix_len, unit_rows)
+                                      prefix_grouped_attention, lockstep_micro_batches, rows_with_signal, shared_prefix_len, unit_rows)
 from envace.backends.models import tiny_model as hf_tiny_model
 from envace.training.setup import backward_micro_batches, micro_batches
 from envace.training.variants import VARIANTS
@@ -122,7 +122,7 @@ def test_equal_rewards_give_zero_advantage_and_zero_gradient():
     model = tiny_model()
     batch = collate(build_rows(group, adv.trajectories, VARIANTS.get("envace").trained_roles["policy"]), pad_id=0)
     logprobs, _ = sequence_logprobs(model, batch)
-    loss, _ = ppo_loss(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask)
+    loss, _ = ppo_loss(logprobs, batch.sampler_logprobs, batch.advantages, batch.loss_mask)
     loss.backward()
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
 
@@ -279,7 +279,7 @@ def test_layouts_give_identical_per_token_loss():
         batch = collate(build_rows(group, adv.trajectories, roles, layout=layout), pad_id=0)
         with torch.no_grad():
             logprobs, _ = sequence_logprobs(model, batch)
-        loss, _ = ppo_token_loss(logprobs, batch.old_logprobs, batch.advantages)
+        loss, _ = ppo_token_loss(logprobs, batch.sampler_logprobs, batch.advantages)
         trained = batch.loss_mask > 0
         per_layout[layout] = {
             role: (loss[trained & (batch.roles == role)], batch.advantages[trained & (batch.roles == role)]) for role in (A, R)
@@ -311,7 +311,7 @@ def test_collate_right_pads():
     assert batch.loss_mask.tolist() == [[0, 0, 1, 1, 1], [0, 0, 1, 0, 0]]
     assert batch.advantages.tolist() == [[0, 0, 0.5, 0.5, 0.5], [0, 0, -0.5, 0, 0]]
     assert batch.roles.tolist() == [[0, 0, 1, 1, 1], [0, 0, 1, 0, 0]]
-    assert batch.old_logprobs.tolist() == [[0, 0, -1, -1, -1], [0, 0, -1, 0, 0]]
+    assert batch.sampler_logprobs.tolist() == [[0, 0, -1, -1, -1], [0, 0, -1, 0, 0]]
 
 
 # ---- sequence_logprobs ----------------------------------------------------------------------
@@ -543,7 +543,7 @@ def grouped_rows(tokenizer, k=4, extra_plain=True):
     rows = build_rows([t for g in groups for t in g], advs, (A,), group_sizes=[len(g) for g in groups])
     uniform = -math.log(len(tokenizer))  # ~ a random tiny model's logprob, so that ratios stay near 1
     for r in rows:
-        r.old_logprobs = [uniform + 0.01 * (i % 3) if m else 0.0 for i, m in enumerate(r.loss_mask)]
+        r.sampler_logprobs = [uniform + 0.01 * (i % 3) if m else 0.0 for i, m in enumerate(r.loss_mask)]
     if extra_plain:  # a row of no group: plain, next to the packs in one batch
         ids = tokenizer.encode("A row of its own, trained from its third token on.")
         rows.append(plain_row(ids, 2, adv=-0.5, old=uniform))
@@ -554,7 +554,7 @@ def logprobs_and_grads(model, units, pad_id, chunk_size=512):
     model.zero_grad(set_to_none=True)
     batch = collate(units, pad_id)
     logprobs, entropy = sequence_logprobs(model, batch, chunk_size=chunk_size)
-    loss, _ = ppo_loss(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, dual_clip=3.0)
+    loss, _ = ppo_loss(logprobs, batch.sampler_logprobs, batch.advantages, batch.loss_mask, dual_clip=3.0)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return batch, logprobs.detach(), entropy.detach(), loss.item(), grads
@@ -690,7 +690,7 @@ def test_backward_micro_batches_with_shared_prefixes_gives_the_same_gradient(tok
 
     def loss_fn(batch):
         logprobs, entropy = sequence_logprobs(model, batch)
-        loss, m = ppo_loss(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, roles=batch.roles, entropy=entropy, num_tokens=total)
+        loss, m = ppo_loss(logprobs, batch.sampler_logprobs, batch.advantages, batch.loss_mask, roles=batch.roles, entropy=entropy, num_tokens=total)
         return loss, m | {"forwarded": batch.forwarded_tokens}
 
     results = {}
@@ -767,42 +767,17 @@ def test_tis_without_a_mismatch_is_plain_ppo():
         ppo_loss(logprobs, old, adv, mask, tis_cap=0.0)
 
 
-def test_collate_behaviour_logprobs():
-    a = Row([1, 2, 3], [0, 1, 1], [0.0, 1.0, 1.0], [0.0, 1.0, 1.0], [0.0, -1.0, -2.0], behaviour_logprobs=[0.0, -1.5, -2.5])
-    b = Row([1, 4], [0, 1], [0.0, 1.0], [0.0, 1.0], [0.0, -3.0])  # positional 5-field construction still works
-    assert b.behaviour_logprobs is None and b.prefix_group is None
-    assert collate([b], pad_id=0).behaviour_logprobs is None
-    # a row without behaviour logprobs gets its old ones there (weight 1, no mismatch)
-    assert collate([a, b], pad_id=0).behaviour_logprobs.tolist() == [[0.0, -1.5, -2.5], [0.0, -3.0, 0.0]]
-
-
-@pytest.mark.parametrize("share_prefix", [False, True])
-def test_recompute_old_logprobs(tokenizer, share_prefix):
-    model = hf_tiny_model(tokenizer)
-    model.train()
-    rows = grouped_rows(tokenizer, k=3)
-    sampler = [list(r.old_logprobs) for r in rows]
-    fresh = recompute_old_logprobs(model, rows, tokenizer.pad_token_id, max_tokens=10_000, share_prefix=share_prefix)
-    assert model.training  # its mode is restored
-    assert [r.behaviour_logprobs for r in fresh] == sampler and [r.old_logprobs for r in rows] == sampler  # inputs untouched
-    batch = collate(rows, tokenizer.pad_token_id)
-    with torch.no_grad():
-        expected, _ = sequence_logprobs(model.eval(), batch)
-    for i, (row, new) in enumerate(zip(rows, fresh)):
-        for t, m in enumerate(row.loss_mask):
-            if m:
-                assert new.old_logprobs[t] == pytest.approx(expected[i, t].item(), abs=1e-5)
-            else:
-                assert new.old_logprobs[t] == row.old_logprobs[t]
-    # the update's first forward then has ratio 1 (approx_kl 0), and the mismatch is the sampler's
-    fb = collate(fresh, tokenizer.pad_token_id)
-    with torch.no_grad():
-        logprobs, _ = sequence_logprobs(model, fb)
-    _, metrics = ppo_loss(logprobs, fb.old_logprobs, fb.advantages, fb.loss_mask, behaviour_logprobs=fb.behaviour_logprobs, tis_cap=2.0)
-    assert metrics["approx_kl"] == pytest.approx(0.0, abs=1e-8) and metrics["logprob_mismatch"] > 0
-    # again: behaviour logprobs are kept, old ones refreshed
-    again = recompute_old_logprobs(model, fresh, tokenizer.pad_token_id)
-    assert [r.behaviour_logprobs for r in again] == sampler
+def test_the_updates_own_detached_logprobs_as_old_give_the_policy_gradient_by_hand():
+    """The trainer's one optimizer step per batch passes its forward's logprobs, detached, as the
+    old ones: ratio 1 on every token, nothing clipped, approx_kl 0, and the gradient is the plain
+    policy gradient -A / N per token (here N = 2 trained tokens: d/dlogp = 0, -1/2, +1)."""
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    adv, mask = torch.tensor([[5.0, 1.0, -2.0]]), torch.tensor([[0.0, 1.0, 1.0]])
+    loss, metrics = ppo_loss(logprobs, logprobs.detach(), adv, mask, dual_clip=3.0)
+    assert loss.item() == pytest.approx((-1.0 + 2.0) / 2)  # -(r A) per token, r = 1: -1 | +2
+    assert metrics["clip_frac"] == 0.0 and metrics["approx_kl"] == 0.0
+    loss.backward()
+    assert logprobs.grad[0].tolist() == pytest.approx([0.0, -0.5, 1.0])
 
 
 @pytest.mark.slow
@@ -814,10 +789,11 @@ def test_packed_rows_match_separate_rows_on_the_default_model():
     model, tokenizer = load_model("default", device="cpu", dtype=torch.float32)
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     rows = grouped_rows(tokenizer, k=3)
-    for r in rows:  # the real model's logprobs are far from uniform: keep the ratios near 1 anyway
-        r.old_logprobs = [0.0] * len(r.old_logprobs)
-    fresh = recompute_old_logprobs(model, rows, tokenizer.pad_token_id)
-    assert_same_logprobs_and_grads(model.train(), fresh, tokenizer.pad_token_id, atol=1e-4, grad_rtol=1e-3)
+    with torch.no_grad():  # the rows as if this model had sampled them: ratios 1, as in the trainer's update
+        own, _ = sequence_logprobs(model, collate(rows, tokenizer.pad_token_id))
+    for r, values in zip(rows, own.tolist()):
+        r.sampler_logprobs = values[: len(r.input_ids)]
+    assert_same_logprobs_and_grads(model.train(), rows, tokenizer.pad_token_id, atol=1e-4, grad_rtol=1e-3)
 
 
 # ---- scoring only what the loss reads ------------------------------------------------------
@@ -848,7 +824,7 @@ def test_trained_only_scores_the_loss_tokens_with_the_same_values_and_gradients(
         model.zero_grad(set_to_none=True)
         batch = collate(units, tokenizer.pad_token_id)
         logprobs, entropy = sequence_logprobs(model, batch, chunk_size=5, trained_only=trained_only)
-        loss, _ = ppo_loss(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, dual_clip=3.0)
+        loss, _ = ppo_loss(logprobs, batch.sampler_logprobs, batch.advantages, batch.loss_mask, dual_clip=3.0)
         loss.backward()
         results[trained_only] = (batch, logprobs.detach(), entropy.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
     batch, all_lp, all_ent, all_grads = results[False]
@@ -872,12 +848,12 @@ def test_a_padding_micro_batch_reaches_every_parameter_with_a_zero_gradient(toke
     (padding,) = lockstep_micro_batches([], 10, pad_id=tokenizer.pad_token_id)
     batch = collate(pack_shared_prefixes(padding) if packed else padding, tokenizer.pad_token_id)
     logprobs, _ = sequence_logprobs(model, batch, trained_only=True)
-    loss, _ = ppo_loss(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, num_tokens=1.0)
+    loss, _ = ppo_loss(logprobs, batch.sampler_logprobs, batch.advantages, batch.loss_mask, num_tokens=1.0)
     loss.backward()  # failed before: "element 0 of tensors does not require grad"
     assert loss.item() == 0.0
     for name, p in model.named_parameters():
         assert p.grad is not None and p.grad.eq(0).all(), name
-    # Without autograd too (the old-logprob recompute) the LM head runs: ZeRO-3 all-gathers its
+    # Without autograd too (a no-grad forward such as the KL reference's) the LM head runs: ZeRO-3 all-gathers its
     # weights when it is called, and the other processes' heads wait for that.
     calls = []
     model.get_output_embeddings().register_forward_hook(lambda *_: calls.append(1))

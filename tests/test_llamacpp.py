@@ -337,7 +337,7 @@ def test_interpreter_exit_with_a_running_engine_does_not_hang():
 @pytest.mark.slow
 def test_the_trainer_samples_with_llamacpp_and_pushes_the_weights_after_each_update(tmp_path):
     """`envace train --sampler llamacpp`: the rollout engine is llama.cpp, synced to every
-    optimizer step's weights, and the update recomputes the old logprobs (the sampler's only
+    optimizer step's weights, and the update's own logprobs are the ratio's (the sampler's only
     weight the loss, their mismatch reported)."""
     from envace.config import build
     from envace.training.trainer import TrainConfig, Trainer

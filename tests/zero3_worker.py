@@ -46,7 +46,7 @@ def backward_both(model: torch.nn.Module, case: str, backward) -> list[torch.Ten
     for batch in (collate(rows(), pad_id=0), collate(pack_shared_prefixes(rows()), pad_id=0)):
         with autocast:
             logprobs, _ = sequence_logprobs(model, batch, chunk_size=4, temperature=0.7)
-            loss, _ = ppo_loss(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, dual_clip=3.0)
+            loss, _ = ppo_loss(logprobs, batch.sampler_logprobs, batch.advantages, batch.loss_mask, dual_clip=3.0)
         backward(loss)
         out.append(logprobs.detach().float())
     return out

@@ -42,11 +42,11 @@ class Row:
     roles: list[int]
     loss_mask: list[float]
     advantages: list[float]
-    old_logprobs: list[float]  # logprob of token t (given tokens < t) that the PPO ratio compares with; 0 where not sampled
-    # The sampler's own logprobs when a rollout engine with other numerics (llama.cpp, bf16,
-    # quantised) drew the tokens while `old_logprobs` holds the trainer's recomputed ones
-    # (`recompute_old_logprobs`); None = sampler and trainer numerics are the same, no correction.
-    behaviour_logprobs: list[float] | None = None
+    # The sampler's logprob of token t (given tokens < t), 0 where not sampled. The update compares
+    # them with its own (`logprob_mismatch`) and, where the sampler's numerics are not the
+    # update's, weights each token's loss by them (truncated importance sampling); the PPO ratio's
+    # old policy is the update's own forward (`ppo_loss`).
+    sampler_logprobs: list[float]
     # Rows with the same (non-None) value may be forwarded together sharing their common token
     # prefix (`pack_shared_prefixes`); `build_rows` sets it to the task group's index.
     prefix_group: int | None = None
@@ -209,8 +209,7 @@ class Batch:
     roles: torch.Tensor
     loss_mask: torch.Tensor
     advantages: torch.Tensor
-    old_logprobs: torch.Tensor
-    behaviour_logprobs: torch.Tensor | None = None  # None when no row has any
+    sampler_logprobs: torch.Tensor
     packed: PackedInputs | None = None
 
     def to(self, device: torch.device | str) -> Batch:
@@ -298,8 +297,7 @@ def collate(rows: Sequence[Unit], pad_id: int) -> Batch:
 
     `rows` may hold `PackedRows` (see `pack_shared_prefixes`): their rows take their places in
     [B, T] (`unit_rows`), and the batch gets `packed` inputs for the forward, in which a plain
-    row is a pack of one continuation and no prefix. Rows without behaviour logprobs get their
-    old logprobs there (weight 1, no mismatch) when another row has them."""
+    row is a pack of one continuation and no prefix."""
     if not rows:
         raise ValueError("no rows to collate")
     flat = unit_rows(rows)
@@ -308,17 +306,13 @@ def collate(rows: Sequence[Unit], pad_id: int) -> Batch:
     def pad(values: list, fill: float, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor([v + [fill] * (width - len(v)) for v in values], dtype=dtype)
 
-    behaviour = None
-    if any(r.behaviour_logprobs is not None for r in flat):
-        behaviour = pad([r.old_logprobs if r.behaviour_logprobs is None else r.behaviour_logprobs for r in flat], 0.0, torch.float32)
     return Batch(
         input_ids=pad([r.input_ids for r in flat], pad_id, torch.long),
         attention_mask=pad([[1] * len(r.input_ids) for r in flat], 0, torch.long),
         roles=pad([r.roles for r in flat], int(Role.PROMPT), torch.long),
         loss_mask=pad([r.loss_mask for r in flat], 0.0, torch.float32),
         advantages=pad([r.advantages for r in flat], 0.0, torch.float32),
-        old_logprobs=pad([r.old_logprobs for r in flat], 0.0, torch.float32),
-        behaviour_logprobs=behaviour,
+        sampler_logprobs=pad([r.sampler_logprobs for r in flat], 0.0, torch.float32),
         packed=_packed_inputs(rows, pad_id, width) if any(isinstance(u, PackedRows) for u in rows) else None,
     )
 
@@ -631,48 +625,6 @@ def _packed_logprobs(head: torch.nn.Module, softcap: float | None, hidden: torch
     return torch.where(valid, lp[index], 0.0), torch.where(valid, ent[index], 0.0)
 
 
-def recompute_old_logprobs(model: torch.nn.Module, rows: Sequence[Row], pad_id: int, max_tokens: int = 4096,
-                           share_prefix: bool = False, autocast: Callable[[], ContextManager] | None = None,
-                           temperature: float = 1.0, lockstep: Callable[[int], int] | None = None) -> list[Row]:
-    """The rows with `old_logprobs` recomputed by the trainer's model (one no-grad forward) and
-    the sampler's logprobs kept as `behaviour_logprobs`: call it before the update when a rollout
-    engine with other numerics sampled (then pass `tis_cap` to `ppo_loss`).
-
-    Before: `old_logprobs` holds the sampler's logprobs (as `build_rows` fills them). After:
-    `behaviour_logprobs` = those (unless the row already had behaviour logprobs, which are kept,
-    so calling it again only refreshes `old_logprobs`), and `old_logprobs` = the trainer's at the
-    trained positions (loss_mask > 0; elsewhere unchanged). Micro-batched like the update
-    (`max_tokens`, `share_prefix`, `lockstep` as in `lockstep_micro_batches`), under `autocast`
-    (e.g. `accelerator.autocast`) and at the rollout's `temperature` so that the numerics are the
-    update's; the model runs unwrapped (no DDP hooks) and in eval mode, then back in its previous
-    mode. Returns new rows, in the order given."""
-    from accelerate.utils import extract_model_from_parallel
-
-    inner = extract_model_from_parallel(model)
-    device = next(inner.parameters()).device
-    was_training = inner.training
-    inner.eval()
-    computed: dict[int, list[float]] = {}
-    try:
-        units = pack_shared_prefixes(rows) if share_prefix else list(rows)
-        with torch.no_grad():
-            for chunk in lockstep_micro_batches(units, max_tokens, pad_id, lockstep):
-                batch = collate(chunk, pad_id).to(device)
-                with (autocast or contextlib.nullcontext)():
-                    logprobs, _ = sequence_logprobs(inner, batch, temperature=temperature, trained_only=True)
-                for row, values in zip(unit_rows(chunk), logprobs.float().cpu().tolist()):
-                    computed[id(row)] = values
-    finally:
-        inner.train(was_training)
-    out = []
-    for row in rows:
-        fresh = computed[id(row)]
-        old = [f if m > 0 else o for f, m, o in zip(fresh, row.loss_mask, row.old_logprobs)]
-        behaviour = row.old_logprobs if row.behaviour_logprobs is None else row.behaviour_logprobs
-        out.append(replace(row, old_logprobs=old, behaviour_logprobs=list(behaviour)))
-    return out
-
-
 def budget_micro_batches(units: Sequence[Unit], max_tokens: int) -> Iterator[list[Unit]]:
     """Group units (longest first) so that units x padded length stays within `max_tokens`.
 
@@ -756,13 +708,17 @@ def ppo_loss(
     `ref_logprobs` adds kl_coef * k3 per token, an estimate of KL(policy || reference); it is
     also reported when kl_coef is 0. `roles`/`entropy` only feed the metrics (per-role keys like `clip_frac/act`).
 
-    Truncated importance sampling (TIS, as verl's `tis_imp_ratio_cap`): when a sampler with other
-    numerics drew the tokens, `old_logprobs` are the trainer's recomputed ones and
-    `behaviour_logprobs` the sampler's; with `tis_cap` each token's policy-gradient loss is
-    multiplied by the detached w = min(exp(old - behaviour), tis_cap) (the KL term is not).
-    Given behaviour logprobs, `logprob_mismatch` = mean |old - behaviour| is reported, and with
-    the cap also `tis_weight` (mean w) and `tis_truncated_frac`. Without behaviour logprobs no
-    correction applies (same numerics), whatever `tis_cap` says.
+    `old_logprobs` are the policy the ratio compares with. An update that takes one optimizer
+    step per rollout batch (envace's trainer) passes its own forward's, detached: the weights it
+    starts from are the old policy, so the ratio is exactly 1 (verl's on-policy path,
+    `old_log_prob = log_prob.detach()`), and no separate forward recomputes them.
+
+    Truncated importance sampling (TIS, as verl's `tis_imp_ratio_cap`): `behaviour_logprobs` are
+    the sampler's; given them, `logprob_mismatch` = mean |old - behaviour| is reported, and with
+    `tis_cap` (a sampler with other numerics than the update's drew the tokens) each token's
+    policy-gradient loss is multiplied by the detached w = min(exp(old - behaviour), tis_cap)
+    (the KL term is not), reporting `tis_weight` (mean w) and `tis_truncated_frac`. Without
+    behaviour logprobs no correction applies, whatever `tis_cap` says.
     """
     if not logprobs.shape == old_logprobs.shape == advantages.shape == loss_mask.shape:
         raise ValueError("logprobs, old_logprobs, advantages and loss_mask must all be [B, T]")  # no silent broadcast

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from envace import config as cfgmod
 from envace.algorithms import ADVANTAGES, group_metrics
-from envace.algorithms.losses import (build_rows, forwarded_tokens, pack_shared_prefixes, ppo_loss, recompute_old_logprobs, rows_with_signal,
+from envace.algorithms.losses import (build_rows, forwarded_tokens, pack_shared_prefixes, ppo_loss, rows_with_signal,
                                      sequence_logprobs)
 from envace.config import ConfigError, field
 from envace.accounting import WorldExecutions
@@ -37,7 +37,7 @@ from envace.backends.lean import decode_settings
 from envace.backends.open import check_models, open_generator
 from envace.rewards import Context, compute_rewards, judge_missing, reward_names, runs_world
 from envace.rollout import RolloutConfig, RolloutEngine
-from envace.training.sharding import UnshardedCopy, checkpointed_optimizer, clip_and_step, lockstep_count
+from envace.training.sharding import UnshardedCopy, checkpointed_optimizer, clip_and_step
 from envace.training.variants import VARIANTS, variants_help
 from envace.training.setup import (TrainingOptions, backward_micro_batches, check_resume, check_sharding, load_trainable, make_accelerator,
                                    global_sum, prepare_trainable, seed_everything, shared_run_dir, timed)
@@ -384,7 +384,7 @@ class Trainer:
         if copy is None:
             # Under bf16, prepare wraps the module's forward in autocast; the rollout samples from that
             # module, and bf16 decode is slower than fp32 on a CPU at batch 8-32 (measured). The update
-            # autocasts on its own (backward_micro_batches, recompute_old_logprobs), so sampling
+            # autocasts on its own (backward_micro_batches), so sampling
             # stays fp32 and only the update runs in bf16.
             self.accelerator.unwrap_model(model, keep_fp32_wrapper=False)
         return (model, optimizer, scheduler), tok, copy
@@ -535,9 +535,9 @@ class Trainer:
     @property
     def numerics_differ(self) -> bool:
         """Whether the sampler's logprobs come from other numerics than the update's (a bf16
-        update, a bf16 HF sampler, a llama.cpp or vLLM sampler): then the PPO ratio's old logprobs
-        are recomputed by the update's own forward and the sampler's only weight the loss
-        (truncated importance sampling, `tis_cap`), never standing in for the policy's."""
+        update, a bf16 HF sampler, a llama.cpp or vLLM sampler): then they weight each token's loss
+        (truncated importance sampling, `tis_cap`). The PPO ratio's old logprobs are the
+        update's own either way, never the sampler's."""
         exact = {"dtype": None, "int8": False}
         hf_exact = all(decode_settings(self.cfg.rollout.sampler_dtype, m) == exact for m in self._full_models().values())
         return self.cfg.sampler != "hf" or self.accelerator.mixed_precision != "no" or not hf_exact
@@ -568,11 +568,7 @@ class Trainer:
         zero_rows = 0 if cfg.kl_coef else len(rows) - len(signal)
         if not cfg.kl_coef:
             rows = signal
-        tis_cap = None
-        if self.numerics_differ:
-            rows = recompute_old_logprobs(model, rows, self.tokenizer.pad_token_id, cfg.micro_batch_tokens, cfg.share_prefix, self.accelerator.autocast,
-                                          temperature=cfg.rollout.temperature, lockstep=lockstep_count if name in self.models.unsharded else None)
-            tis_cap = cfg.tis_cap
+        tis_cap = cfg.tis_cap if self.numerics_differ else None
         model.train()
 
         def loss_fn(batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
@@ -581,8 +577,12 @@ class Trainer:
             if self.models.reference is not None:
                 with torch.no_grad():
                     ref, _ = sequence_logprobs(self.models.reference, batch, temperature=cfg.rollout.temperature, trained_only=True)
-            return ppo_loss(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, cfg.clip_eps, cfg.dual_clip, ref, cfg.kl_coef,
-                            roles=batch.roles, entropy=entropy, num_tokens=float(denom), behaviour_logprobs=batch.behaviour_logprobs, tis_cap=tis_cap)
+            # One optimizer step per rollout batch: the weights this forward runs are the old
+            # policy, so its own logprobs, detached, are the ratio's (exactly 1) and no no-grad
+            # forward recomputes them. The sampler's are compared with them every step
+            # (logprob_mismatch) and weight the loss where its numerics are not the update's.
+            return ppo_loss(logprobs, logprobs.detach(), batch.advantages, batch.loss_mask, cfg.clip_eps, cfg.dual_clip, ref, cfg.kl_coef,
+                            roles=batch.roles, entropy=entropy, num_tokens=float(denom), behaviour_logprobs=batch.sampler_logprobs, tis_cap=tis_cap)
 
         for m in backward_micro_batches(self.accelerator, model, rows, cfg.micro_batch_tokens, self.tokenizer.pad_token_id, loss_fn, share_prefix=cfg.share_prefix):
             for k, v in m.items():
