@@ -46,6 +46,7 @@ class DemoConfig:
     rl_grounding: bool = field(False, help="GRPO rehearsal from the isolated simulator prompt with the task's reference (call, true result) pairs "
                                              "(the reference implementation's privileged grounding; its world runs are counted as grounding)")
     rl_real_fraction: float = field(0.0, help="share of each GRPO step's tasks rolled out against the real world (the rest rehearsed)")
+    rl_filter_groups: bool = field(False, help="GRPO with DAPO's dynamic sampling: up to 3 rounds of rollouts per step until rl_tasks_per_step groups carry a signal")
     rl_unseen_tasks: bool = field(True, help="GRPO on training tasks the warm start was not trained on (off: the first ones, the SFT's own among them)")
     rl_reward: str = field("partial", help="GRPO reward: partial (the verifier's partial credit: signal before a task is solved) or replay (0/1)")
     difficulty: int = field(1, help="task difficulty for training and evaluation")
@@ -150,7 +151,7 @@ def train_config(cfg: DemoConfig, output_dir: Path, init_from: str | None = None
     from envace.training.trainer import TrainConfig
 
     return build(TrainConfig, dict(model=cfg.model, init_from=init_from, variant="envace", steps=cfg.rl_steps, tasks_per_step=cfg.rl_tasks_per_step, k=cfg.rl_k,
-                                   lr=cfg.rl_lr, reward=cfg.rl_reward, real_fraction=cfg.rl_real_fraction, unseen_tasks=cfg.rl_unseen_tasks, difficulty=cfg.difficulty, output_dir=str(output_dir), save_every=cfg.rl_steps,
+                                   lr=cfg.rl_lr, reward=cfg.rl_reward, real_fraction=cfg.rl_real_fraction, filter_groups=cfg.rl_filter_groups, unseen_tasks=cfg.rl_unseen_tasks, difficulty=cfg.difficulty, output_dir=str(output_dir), save_every=cfg.rl_steps,
                                    # one task group (~1.5-3k packed tokens) per micro-batch: the GRPO stage peaked at 8.9 GiB with
                                    # 4096, 5.1 GiB with this (measured, docs/training.md), for the same update
                                    micro_batch_tokens=1024, tiny=cfg.tiny, seed=cfg.seed, progress=cfg.progress,

@@ -189,6 +189,40 @@ def test_rows_of_zero_advantage_are_left_out_of_the_update_and_change_no_weight(
     torch.testing.assert_close(weights, all_rows_weights, rtol=0, atol=1e-5)
 
 
+def test_filter_groups_rolls_out_more_rounds_until_the_step_has_enough_groups_with_a_signal(tmp_path, task_file):
+    """--filter-groups (DAPO's dynamic sampling), 2 tasks per step, at most 3 rounds, a reward with
+    a signal in task counter-1's group only: the step rolls out rounds of 2 tasks from the stream
+    until 2 counter-1 groups are in or 3 rounds ran; the update takes only the groups with a
+    signal (no zero-advantage row), while every rolled-out group is counted."""
+    from envace.training.trainer import TaskStream
+
+    cfg = build(TrainConfig, dict(SMALL, tasks=task_file, output_dir=str(tmp_path / "run"), steps=1, penalty=0.0, filter_groups=True,
+                                  max_rollout_rounds=3, reward="tests.training_rewards:signal_in_counter_1_only"))
+    trainer = Trainer(cfg)
+    replica = TaskStream(trainer.tasks, cfg.seed)  # the task order the trainer draws from
+    drawn, rounds = [], 0
+    while rounds < 3 and drawn.count("counter-1") < 2:
+        drawn, rounds = drawn + [t.id for t in replica.take(2)], rounds + 1
+    metrics = trainer.train_step()
+    trainer.logger.close()
+    signal = drawn.count("counter-1")
+    assert metrics["filter/rounds"] == rounds and metrics["filter/groups_rolled_out"] == 2 * rounds
+    assert metrics["filter/groups_with_signal"] == signal and metrics["filter/groups_kept"] == min(signal, 2)
+    assert trainer.stream.state() == replica.state()  # the next step draws after every task rolled out
+    assert metrics["policy/zero_advantage_rows"] == 0 and metrics["groups/degenerate_frac"] == 0.0
+    assert metrics["policy/trained_tokens"] > 0 and metrics["policy/skipped_update"] == 0.0
+
+
+def test_filter_groups_without_any_signal_stops_after_the_last_round_and_skips_the_update(tmp_path, task_file):
+    trainer = Trainer(build(TrainConfig, dict(SMALL, tasks=task_file, output_dir=str(tmp_path / "run"), steps=1, penalty=0.0, filter_groups=True,
+                                              max_rollout_rounds=2, reward="tests.training_rewards:constant")))
+    metrics = trainer.train_step()
+    trainer.logger.close()
+    assert metrics["filter/rounds"] == 2 and metrics["filter/groups_rolled_out"] == 4 and metrics["filter/groups_kept"] == 0
+    assert metrics["policy/skipped_update"] == 1.0
+    assert metrics["reward/mean"] == 0.5  # the rollouts of both rounds were scored and logged
+
+
 def test_resume_reaches_the_same_weights_as_an_uninterrupted_run(tmp_path, task_file):
     full = Trainer(build(TrainConfig, dict(SMALL, tasks=task_file, output_dir=str(tmp_path / "full"))))
     full.fit()
@@ -507,7 +541,7 @@ def test_on_malformed_reaches_the_rollout_config(task_file):
     ({"lr": 0.0}, "lr"), ({"micro_batch_tokens": 0}, "micro_batch_tokens"), ({"grad_clip": 0.0}, "grad_clip"),
     ({"lora_r": -1}, "lora_r"), ({"lora_alpha": 0}, "lora_alpha"), ({"warmup_steps": -1}, "warmup_steps"),
     ({"weight_decay": -0.1}, "weight_decay"), ({"seed": -1}, "seed"), ({"save_every": 0}, "save_every"), ({"keep_last": 0}, "keep_last"),
-    ({"steps": 0}, "steps"), ({"tasks_per_step": 0}, "tasks_per_step"), ({"n_per_world": 0}, "n_per_world"),
+    ({"steps": 0}, "steps"), ({"tasks_per_step": 0}, "tasks_per_step"), ({"n_per_world": 0}, "n_per_world"), ({"max_rollout_rounds": 0}, "max_rollout_rounds"),
     ({"difficulty": 4}, "difficulty"), ({"samples_per_step": -1}, "samples_per_step"),
     ({"max_turns": 0}, "max_turns"), ({"max_turn_tokens": 0}, "max_turn_tokens"), ({"max_rehearse_tokens": 0}, "max_rehearse_tokens"),
     ({"max_total_tokens": 0}, "max_total_tokens"), ({"max_active": -1}, "max_active"),

@@ -64,6 +64,10 @@ class TrainConfig(TrainingOptions):
     steps: int = field(10, help="training steps")
     tasks_per_step: int = field(4, help="tasks per step")
     k: int = field(4, help="rollouts per task (the GRPO group)")
+    filter_groups: bool = field(False, help="DAPO's dynamic sampling: roll out further rounds of --tasks-per-step tasks until the step has "
+                                            "--tasks-per-step groups with a learning signal (an output with a nonzero advantage), at most "
+                                            "--max-rollout-rounds; the update takes those, and every group rolled out is scored, logged and counted")
+    max_rollout_rounds: int = field(3, help="--filter-groups: rounds of --tasks-per-step rollouts per step at most")
     real_fraction: float = field(0.0, help="share of tasks rolled out against the real world in rehearse variants")
     rollout: RolloutConfig = field(default_factory=train_rollout, help="how the step's trajectories roll out",
                                    hidden={"mode": "the variant decides who answers tool calls (--variant)"})
@@ -101,7 +105,7 @@ class TrainConfig(TrainingOptions):
             raise ConfigError(f"task file {self.tasks} does not exist")
         if self.init_from and not Path(self.init_from).is_dir():
             raise ConfigError(f"--init-from {self.init_from} is not a directory")
-        for name in ("steps", "tasks_per_step", "n_per_world"):
+        for name in ("steps", "tasks_per_step", "n_per_world", "max_rollout_rounds"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.k < 2:
@@ -596,7 +600,16 @@ class Trainer:
                        "forwarded_tokens": float(forwarded), "forwarded_tokens_unshared": float(forwarded_tokens(rows))}
 
     def score(self, tasks: list[Task], groups: list[list[Trajectory]]) -> dict[str, float]:
+        """Rewards for the groups, then the step's rollout metrics (`rollout_metrics`)."""
+        self.reward(tasks, groups)
+        return self.rollout_metrics(tasks, groups)
+
+    def reward(self, tasks: list[Task], groups: list[list[Trajectory]]) -> None:
         compute_rewards(self.cfg.reward, groups, tasks, Context(env=self.env, judge=self.judge))
+
+    def rollout_metrics(self, tasks: list[Task], groups: list[list[Trajectory]]) -> dict[str, float]:
+        """Success, reward, fidelity and world executions of scored groups; adds their
+        executions to the run's count, so call it once per group."""
         records = [trajectory_record(t, tr) for t, g in zip(tasks, groups) for tr in g]
         summary = summarize_records(records)
         local = WorldExecutions.of(tr for g in groups for tr in g).as_dict()
@@ -615,17 +628,60 @@ class Trainer:
 
         return merge_process_metrics(gather_object([metrics]))
 
+    def collect(self) -> tuple[list[Task], list[list[Trajectory]], float, int]:
+        """This step's rollouts, rewarded: one round of --tasks-per-step tasks, or with
+        --filter-groups further rounds until tasks_per_step groups over all processes carry a
+        learning signal (at most max_rollout_rounds). Returns every task and group rolled out,
+        the rollouts' seconds and the rounds run."""
+        cfg = self.cfg
+        tasks: list[Task] = []
+        groups: list[list[Trajectory]] = []
+        seconds, signal = 0.0, 0
+        for rounds in range(1, cfg.max_rollout_rounds + 1):
+            # Every process draws the same tasks and rolls out its own share of them.
+            part = self.stream.take(cfg.tasks_per_step)[self.accelerator.process_index :: self.accelerator.num_processes]
+            new, t = timed(lambda: self.rollout(part))
+            self.reward(part, new)
+            tasks, groups, seconds = tasks + part, groups + new, seconds + t
+            if not cfg.filter_groups:
+                break
+            signal += sum(map(self.has_signal, new))
+            if global_sum(self.accelerator, signal) >= cfg.tasks_per_step:
+                break
+        return tasks, groups, seconds, rounds
+
+    def has_signal(self, group: list[Trajectory]) -> bool:
+        """Whether a rewarded group gives some trained output a nonzero advantage (DAPO's
+        non-zero-variance groups; a malformed output's penalty counts)."""
+        cfg = self.cfg
+        return not ADVANTAGES.get(cfg.advantage)([group], roles=self.variant.all_roles, normalize_std=cfg.normalize_std, penalty=cfg.penalty)[0].degenerate
+
+    def kept_groups(self, groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
+        """The groups the update takes: all of them, or with --filter-groups those with a signal,
+        the first tasks_per_step over the processes in process order."""
+        if not self.cfg.filter_groups:
+            return groups
+        kept = [g for g in groups if self.has_signal(g)]
+        before = 0
+        if self.accelerator.num_processes > 1:
+            from accelerate.utils import gather_object
+
+            before = sum(gather_object([len(kept)])[: self.accelerator.process_index])
+        return kept[: max(0, self.cfg.tasks_per_step - before)]
+
     def train_step(self) -> dict[str, float]:
-        # Every process draws the same tasks and rolls out its own share of them.
-        tasks = self.stream.take(self.cfg.tasks_per_step)[self.accelerator.process_index :: self.accelerator.num_processes]
         before = {stream: generator.stats.counters() for stream, generator in self.generators.items()}
-        groups, t_rollout = timed(lambda: self.rollout(tasks))
-        metrics = self.score(tasks, groups) | self._sampler_metrics(before)
+        tasks, groups, t_rollout, rounds = self.collect()
+        metrics = self.rollout_metrics(tasks, groups) | self._sampler_metrics(before)
+        kept = self.kept_groups(groups)
+        if self.cfg.filter_groups:
+            counts = {"groups_rolled_out": len(groups), "groups_with_signal": sum(map(self.has_signal, groups)), "groups_kept": len(kept)}
+            metrics |= {"filter/rounds": float(rounds)} | {f"filter/{k}": global_sum(self.accelerator, v) for k, v in counts.items()}
         for generator in self._colocated():
             # The update gets the device (vLLM's sleep mode; a no-op on CPU); the engine wakes
             # itself at the next weight sync or generation.
             generator.sleep()
-        update, t_update = timed(lambda: self.update(groups))
+        update, t_update = timed(lambda: self.update(kept))
         self.step += 1
         metrics |= update | {"time/rollout_s": t_rollout, "time/update_s": t_update, "time/rollout_share": t_rollout / max(t_rollout + t_update, 1e-9)}
         metrics = sampler_rates(self._global_metrics(metrics))
