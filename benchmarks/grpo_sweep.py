@@ -78,6 +78,9 @@ ROWS: dict[str, dict] = {
     "unseen-8-tasks-6-steps": {"sft_per_world": 24, "rl_tasks_per_step": 8, "rl_steps": 6},
     "unseen-8-tasks-12-steps": {"sft_per_world": 24, "rl_tasks_per_step": 8, "rl_steps": 12},
     "unseen-8-tasks-real-6-steps": {"sft_per_world": 24, "rl_tasks_per_step": 8, "rl_real_fraction": 1.0, "rl_steps": 6},
+    # DAPO's dynamic sampling: up to 3 rounds of 8 tasks per step until 8 groups carry a signal (about a
+    # third of the groups did above), so that each update has 32 rows of signal rather than about 10.
+    "unseen-8-tasks-filter-6-steps": {"sft_per_world": 24, "rl_tasks_per_step": 8, "rl_filter_groups": True, "rl_steps": 6},
 }
 
 # A continued row resumes the finished run of the row it names for its further steps: with the
