@@ -189,12 +189,23 @@ def test_rows_of_zero_advantage_are_left_out_of_the_update_and_change_no_weight(
     torch.testing.assert_close(weights, all_rows_weights, rtol=0, atol=1e-5)
 
 
-def test_filter_groups_rolls_out_more_rounds_until_the_step_has_enough_groups_with_a_signal(tmp_path, task_file):
+def test_filter_groups_rolls_out_more_rounds_until_the_step_has_enough_groups_with_a_signal(tmp_path, task_file, monkeypatch):
     """--filter-groups (DAPO's dynamic sampling), 2 tasks per step, at most 3 rounds, a reward with
     a signal in task counter-1's group only: the step rolls out rounds of 2 tasks from the stream
-    until 2 counter-1 groups are in or 3 rounds ran; the update takes only the groups with a
-    signal (no zero-advantage row), while every rolled-out group is counted."""
+    until 2 counter-1 groups are in or 3 rounds ran, each round from a seed of its own; the update
+    takes only the groups with a signal (no zero-advantage row), while every rolled-out group is
+    counted."""
+    import envace.backends.hf as hf
     from envace.training.trainer import TaskStream
+
+    seeds = []
+
+    class Recording(hf.HFGenerator):
+        def set_seed(self, seed):
+            seeds.append(seed)
+            super().set_seed(seed)
+
+    monkeypatch.setattr(hf, "HFGenerator", Recording)
 
     cfg = build(TrainConfig, dict(SMALL, tasks=task_file, output_dir=str(tmp_path / "run"), steps=1, penalty=0.0, filter_groups=True,
                                   max_rollout_rounds=3, reward="tests.training_rewards:signal_in_counter_1_only"))
@@ -206,7 +217,8 @@ def test_filter_groups_rolls_out_more_rounds_until_the_step_has_enough_groups_wi
     metrics = trainer.train_step()
     trainer.logger.close()
     signal = drawn.count("counter-1")
-    assert metrics["filter/rounds"] == rounds and metrics["filter/groups_rolled_out"] == 2 * rounds
+    assert metrics["filter/rounds"] == rounds == 3 and metrics["filter/groups_rolled_out"] == 2 * rounds  # seed 0: counter-1 once in 6 draws
+    assert len(seeds) == len(set(seeds)) == rounds  # one rehearse-mode policy generator, seeded per round
     assert metrics["filter/groups_with_signal"] == signal and metrics["filter/groups_kept"] == min(signal, 2)
     assert trainer.stream.state() == replica.state()  # the next step draws after every task rolled out
     assert metrics["policy/zero_advantage_rows"] == 0 and metrics["groups/degenerate_frac"] == 0.0
@@ -622,11 +634,12 @@ def test_eval_config_rejects_each_bad_option_by_name(values, option):
         build(EvalConfig, values)
 
 
-def test_sampling_seeds_are_distinct_for_every_generator_process_and_step():
+def test_sampling_seeds_are_distinct_for_every_generator_process_step_and_rollout_round():
     from envace.training.trainer import SEED_STREAMS, sampling_seed
 
-    seeds = [sampling_seed(0, step, process, stream) for step in range(100) for process in range(128) for stream in SEED_STREAMS]
-    assert len(set(seeds)) == len(seeds) == 100 * 128 * len(SEED_STREAMS)
+    seeds = [sampling_seed(0, step, process, stream, r) for step in range(100) for process in range(64) for stream in SEED_STREAMS for r in range(3)]
+    assert len(set(seeds)) == len(seeds) == 100 * 64 * len(SEED_STREAMS) * 3
+    assert sampling_seed(0, 5, 1, "policy-rehearse") == sampling_seed(0, 5, 1, "policy-rehearse", 0)  # round 0: the seeds of before
 
 
 def test_a_resumed_run_samples_with_the_seeds_of_the_uninterrupted_run(tmp_path, task_file, monkeypatch):

@@ -422,10 +422,10 @@ class Trainer:
         # Checkpoints from before the purposes were split hold the rollout count only.
         self.world_calls = WorldExecutions.from_dict(state.data_state.get("world_executions") or {"rollout": state.data_state.get("real_env_calls", 0)})
 
-    def _generator(self, model: Any, stream: str) -> Any:
+    def _generator(self, model: Any, stream: str, round_index: int = 0) -> Any:
         """The stream's generator, kept across steps: synced to the weights of this step (a
         trained model's; a frozen one never changes) and seeded with this step's seed, so the
-        samples depend on (seed, step, process, stream) only, resumed or not."""
+        samples depend on (seed, step, process, stream, rollout round) only, resumed or not."""
         from envace.backends.base import PolicyWeights
 
         name = next((k for k, m in self.models.trained.items() if m is model), None)
@@ -440,7 +440,7 @@ class Trainer:
                 # One server samples for every process and the main one pushed into it: no process
                 # may sample before that push is done.
                 self.accelerator.wait_for_everyone()
-        generator.set_seed(sampling_seed(self.cfg.seed, self.step, self.accelerator.process_index, stream))
+        generator.set_seed(sampling_seed(self.cfg.seed, self.step, self.accelerator.process_index, stream, round_index))
         return generator
 
     def _open_sampler(self, module: Any) -> Any:
@@ -502,7 +502,9 @@ class Trainer:
         return [g for g in self.generators.values() if isinstance(g, VLLMColocatedGenerator)]
 
     # ---- one step ---------------------------------------------------------------------
-    def rollout(self, tasks: list[Task]) -> list[list[Trajectory]]:
+    def rollout(self, tasks: list[Task], round_index: int = 0) -> list[list[Trajectory]]:
+        """K rollouts of each task with this step's weights; `round_index` > 0 for a step's
+        further rounds (--filter-groups), which sample from seeds of their own."""
         cfg = self.cfg
         # Validation allows real_fraction > 0 only in variants that rehearse.
         n_real = round(cfg.real_fraction * len(tasks))
@@ -514,13 +516,13 @@ class Trainer:
         for part, mode in batches:
             if not part:
                 continue
-            policy = self._generator(self.models.policy, f"policy-{mode}")
+            policy = self._generator(self.models.policy, f"policy-{mode}", round_index)
             # The model (and its seed stream) that answers tool calls, where it is not the policy.
             side, stream = {"simulator": (self.models.simulator, "simulator"), "rehearse": (self.models.rehearser, "rehearser")}.get(mode, (None, ""))
-            simulator = self._generator(side, stream) if side is not None else None
+            simulator = self._generator(side, stream, round_index) if side is not None else None
             engine = RolloutEngine(policy, self.env, replace(cfg.rollout, mode=mode), simulator=simulator)
             with torch.no_grad():
-                groups += engine.run(part, k=cfg.k, progress=cfg.progress, desc=f"step {self.step + 1} rollout ({mode})")
+                groups += engine.run(part, k=cfg.k, progress=cfg.progress, desc=f"step {self.step + 1} rollout ({mode}{f', round {round_index + 1}' if round_index else ''})")
         return groups
 
     def update(self, groups: list[list[Trajectory]]) -> dict[str, float]:
@@ -640,7 +642,7 @@ class Trainer:
         for rounds in range(1, cfg.max_rollout_rounds + 1):
             # Every process draws the same tasks and rolls out its own share of them.
             part = self.stream.take(cfg.tasks_per_step)[self.accelerator.process_index :: self.accelerator.num_processes]
-            new, t = timed(lambda: self.rollout(part))
+            new, t = timed(lambda: self.rollout(part, round_index=rounds - 1))
             self.reward(part, new)
             tasks, groups, seconds = tasks + part, groups + new, seconds + t
             if not cfg.filter_groups:
@@ -761,12 +763,14 @@ class Trainer:
 SEED_STREAMS = ("policy-real", "policy-rehearse", "policy-simulator", "rehearser", "simulator")
 
 
-def sampling_seed(seed: int, step: int, process: int, stream: str) -> int:
-    """The sampling seed of one generator at one step. It depends on (seed, step, process, stream)
-    only, so a resumed run samples what the uninterrupted run would; SeedSequence hashes them to
-    64 bits, so seeds stay distinct for any number of processes and steps (a linear formula
-    collides once its strides overlap)."""
-    entropy = [seed, step, process, SEED_STREAMS.index(stream)]
+def sampling_seed(seed: int, step: int, process: int, stream: str, round_index: int = 0) -> int:
+    """The sampling seed of one generator at one step. It depends on (seed, step, process, stream,
+    rollout round) only, so a resumed run samples what the uninterrupted run would; SeedSequence
+    hashes them to 64 bits, so seeds stay distinct for any number of processes and steps (a linear
+    formula collides once its strides overlap). A step's further rounds (--filter-groups) get seeds
+    of their own, so a task drawn again in one does not repeat its rollouts; the first round's
+    seeds are those of a run without further rounds."""
+    entropy = [seed, step, process, SEED_STREAMS.index(stream)] + ([round_index] if round_index else [])
     return int(np.random.SeedSequence(entropy).generate_state(1, dtype=np.uint64)[0])
 
 
