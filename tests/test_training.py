@@ -473,8 +473,8 @@ def test_real_fraction_rolls_out_that_share_of_the_step_tasks_in_real_mode(tmp_p
     groups = []
     rollout = trainer.rollout
 
-    def recording_rollout(tasks):
-        groups.extend(rollout(tasks))
+    def recording_rollout(tasks, round_index=0):
+        groups.extend(rollout(tasks, round_index))
         return groups
 
     trainer.rollout = recording_rollout
@@ -493,7 +493,7 @@ def test_each_step_reports_what_its_sampler_generated(tmp_path, task_file):
 
     trainer = Trainer(build(TrainConfig, dict(SMALL, tasks=task_file, output_dir=str(tmp_path / "run"), steps=2)))
     rollout, groups = trainer.rollout, []
-    trainer.rollout = lambda tasks: groups.append(rollout(tasks)) or groups[-1]
+    trainer.rollout = lambda tasks, round_index=0: groups.append(rollout(tasks, round_index)) or groups[-1]
     steps = [trainer.train_step() for _ in range(2)]
     trainer.logger.close()
     for metrics, step_groups in zip(steps, groups):
