@@ -17,11 +17,12 @@ def test_demo_config_validation():
         build(DemoConfig, {"eval_sampler_dtype": "q8_0"})  # llama.cpp's, not the evaluation's
 
 
-def test_demo_grpo_stage_takes_grounding_and_real_fraction_into_its_train_config(tmp_path):
+def test_demo_grpo_stage_takes_grounding_real_fraction_and_group_filtering_into_its_train_config(tmp_path):
     from envace.demo import train_config
 
     plain = train_config(build(DemoConfig, {}), tmp_path)
     assert (plain.rollout.rehearse_layout, plain.rollout.grounding, plain.real_fraction) == ("transcript", False, 0.0)
+    assert plain.filter_groups and not train_config(build(DemoConfig, {"rl_filter_groups": False}), tmp_path).filter_groups
     grounded = train_config(build(DemoConfig, {"rl_grounding": True, "rl_real_fraction": 0.5}), tmp_path)
     # grounding exists only in the isolated simulator prompt: the flag must bring that layout with it
     assert (grounded.rollout.rehearse_layout, grounded.rollout.grounding, grounded.real_fraction) == ("isolated", True, 0.5)
