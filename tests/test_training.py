@@ -43,6 +43,22 @@ def task_file(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture
+def seeds(monkeypatch):
+    """The seeds given to every HF sampler the trainer opens, in order."""
+    import envace.backends.hf as hf
+
+    given = []
+
+    class Recording(hf.HFGenerator):
+        def set_seed(self, seed):
+            given.append(seed)
+            super().set_seed(seed)
+
+    monkeypatch.setattr(hf, "HFGenerator", Recording)
+    return given
+
+
 def params(model):
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
@@ -189,23 +205,13 @@ def test_rows_of_zero_advantage_are_left_out_of_the_update_and_change_no_weight(
     torch.testing.assert_close(weights, all_rows_weights, rtol=0, atol=1e-5)
 
 
-def test_filter_groups_rolls_out_more_rounds_until_the_step_has_enough_groups_with_a_signal(tmp_path, task_file, monkeypatch):
+def test_filter_groups_rolls_out_more_rounds_until_the_step_has_enough_groups_with_a_signal(tmp_path, task_file, seeds):
     """--filter-groups (DAPO's dynamic sampling), 2 tasks per step, at most 3 rounds, a reward with
     a signal in task counter-1's group only: the step rolls out rounds of 2 tasks from the stream
     until 2 counter-1 groups are in or 3 rounds ran, each round from a seed of its own; the update
     takes only the groups with a signal (no zero-advantage row), while every rolled-out group is
     counted."""
-    import envace.backends.hf as hf
     from envace.training.trainer import TaskStream
-
-    seeds = []
-
-    class Recording(hf.HFGenerator):
-        def set_seed(self, seed):
-            seeds.append(seed)
-            super().set_seed(seed)
-
-    monkeypatch.setattr(hf, "HFGenerator", Recording)
 
     cfg = build(TrainConfig, dict(SMALL, tasks=task_file, output_dir=str(tmp_path / "run"), steps=1, penalty=0.0, filter_groups=True,
                                   max_rollout_rounds=3, reward="tests.training_rewards:signal_in_counter_1_only"))
@@ -642,19 +648,9 @@ def test_sampling_seeds_are_distinct_for_every_generator_process_step_and_rollou
     assert sampling_seed(0, 5, 1, "policy-rehearse") == sampling_seed(0, 5, 1, "policy-rehearse", 0)  # round 0: the seeds of before
 
 
-def test_a_resumed_run_samples_with_the_seeds_of_the_uninterrupted_run(tmp_path, task_file, monkeypatch):
+def test_a_resumed_run_samples_with_the_seeds_of_the_uninterrupted_run(tmp_path, task_file, seeds):
     """envace with real_fraction rolls out a real and a rehearse batch per step: each generator
     gets its own seed, and a resumed run's step 2 gets the seeds the uninterrupted run's had."""
-    import envace.backends.hf as hf
-
-    seeds = []
-
-    class Recording(hf.HFGenerator):
-        def set_seed(self, seed):
-            seeds.append(seed)
-            super().set_seed(seed)
-
-    monkeypatch.setattr(hf, "HFGenerator", Recording)
     run = dict(SMALL, tasks=task_file, real_fraction=0.5)
     Trainer(build(TrainConfig, dict(run, output_dir=str(tmp_path / "full")))).fit()
     full, seeds[:] = list(seeds), []
