@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, fields, replace
-from typing import Any, Callable, ContextManager, Iterator, Literal, Sequence
+from typing import Any, Callable, Iterator, Literal, Sequence
 
 import torch
 from torch.utils.checkpoint import checkpoint

@@ -630,15 +630,17 @@ class Trainer:
 
         return merge_process_metrics(gather_object([metrics]))
 
-    def collect(self) -> tuple[list[Task], list[list[Trajectory]], float, int]:
+    def collect(self) -> tuple[list[Task], list[list[Trajectory]], list[bool], float, int]:
         """This step's rollouts, rewarded: one round of --tasks-per-step tasks, or with
         --filter-groups further rounds until tasks_per_step groups over all processes carry a
         learning signal (at most max_rollout_rounds). Returns every task and group rolled out,
-        the rollouts' seconds and the rounds run."""
+        whether each group has a signal (with --filter-groups; else empty), the rollouts'
+        seconds and the rounds run."""
         cfg = self.cfg
         tasks: list[Task] = []
         groups: list[list[Trajectory]] = []
-        seconds, signal = 0.0, 0
+        signal: list[bool] = []
+        seconds = 0.0
         for rounds in range(1, cfg.max_rollout_rounds + 1):
             # Every process draws the same tasks and rolls out its own share of them.
             part = self.stream.take(cfg.tasks_per_step)[self.accelerator.process_index :: self.accelerator.num_processes]
@@ -647,10 +649,10 @@ class Trainer:
             tasks, groups, seconds = tasks + part, groups + new, seconds + t
             if not cfg.filter_groups:
                 break
-            signal += sum(map(self.has_signal, new))
-            if global_sum(self.accelerator, signal) >= cfg.tasks_per_step:
+            signal += map(self.has_signal, new)
+            if global_sum(self.accelerator, sum(signal)) >= cfg.tasks_per_step:
                 break
-        return tasks, groups, seconds, rounds
+        return tasks, groups, signal, seconds, rounds
 
     def has_signal(self, group: list[Trajectory]) -> bool:
         """Whether a rewarded group gives some trained output a nonzero advantage (DAPO's
@@ -658,12 +660,12 @@ class Trainer:
         cfg = self.cfg
         return not ADVANTAGES.get(cfg.advantage)([group], roles=self.variant.all_roles, normalize_std=cfg.normalize_std, penalty=cfg.penalty)[0].degenerate
 
-    def kept_groups(self, groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
-        """The groups the update takes: all of them, or with --filter-groups those with a signal,
-        the first tasks_per_step over the processes in process order."""
+    def kept_groups(self, groups: list[list[Trajectory]], signal: list[bool]) -> list[list[Trajectory]]:
+        """The groups the update takes: all of them, or with --filter-groups those with a signal
+        (`signal`, one flag per group), the first tasks_per_step over the processes in process order."""
         if not self.cfg.filter_groups:
             return groups
-        kept = [g for g in groups if self.has_signal(g)]
+        kept = [g for g, has in zip(groups, signal) if has]
         before = 0
         if self.accelerator.num_processes > 1:
             from accelerate.utils import gather_object
@@ -673,11 +675,11 @@ class Trainer:
 
     def train_step(self) -> dict[str, float]:
         before = {stream: generator.stats.counters() for stream, generator in self.generators.items()}
-        tasks, groups, t_rollout, rounds = self.collect()
+        tasks, groups, signal, t_rollout, rounds = self.collect()
         metrics = self.rollout_metrics(tasks, groups) | self._sampler_metrics(before)
-        kept = self.kept_groups(groups)
+        kept = self.kept_groups(groups, signal)
         if self.cfg.filter_groups:
-            counts = {"groups_rolled_out": len(groups), "groups_with_signal": sum(map(self.has_signal, groups)), "groups_kept": len(kept)}
+            counts = {"groups_rolled_out": len(groups), "groups_with_signal": sum(signal), "groups_kept": len(kept)}
             metrics |= {"filter/rounds": float(rounds)} | {f"filter/{k}": global_sum(self.accelerator, v) for k, v in counts.items()}
         for generator in self._colocated():
             # The update gets the device (vLLM's sleep mode; a no-op on CPU); the engine wakes
