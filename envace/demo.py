@@ -225,7 +225,8 @@ def report_markdown(summary: dict[str, Any], root: Path) -> str:
         "# envace demo report", "",
         f"Model: `{cfg['model']}`{' (tiny random model: a smoke test of the pipeline, not a result)' if cfg['tiny'] else ''}; "
         f"SFT on {cfg['sft_per_world']} tasks per training world x {cfg['sft_epochs']} epoch{'s' if cfg['sft_epochs'] > 1 else ''}, then {cfg['rl_steps']} GRPO steps "
-        f"({cfg['rl_tasks_per_step']} tasks x K={cfg['rl_k']}, reward `{cfg['rl_reward']}`) in rehearse mode. Greedy evaluation on "
+        f"({cfg['rl_tasks_per_step']} tasks x K={cfg['rl_k']}, reward `{cfg['rl_reward']}`"
+        f"{', further rounds of rollouts until that many groups carry a signal' if cfg.get('rl_filter_groups') else ''}) in rehearse mode. Greedy evaluation on "
         f"{cfg['eval_per_world']} test tasks per world (difficulty {cfg['difficulty']}). Total wall time {summary['total_s'] / 60:.1f} min.", "",
         f"| stage | success, training worlds ({', '.join(TRAIN_WORLDS)}) | success, held-out world ({', '.join(HELDOUT_WORLDS)}) | partial credit [95% CI] | tool F1 | fidelity exact / field F1 | real env calls | malformed |",
         "|---|---|---|---|---|---|---|---|",
