@@ -162,6 +162,7 @@ def train_config(cfg: DemoConfig, output_dir: Path, init_from: str | None = None
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
+    from envace.backends.models import machine_facts
     from envace.training.plots import story_plot
     from envace.training.sft import run_sft
     from envace.training.trainer import run_train
@@ -197,7 +198,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         "paired": compare(root / "eval-sft", root / "eval-trained"),
         "train": {k: train_result[k] for k in ("run_dir", "world_executions", "chain_world_executions")}
                  | {"story_plot": str(story_plot(Path(train_result["run_dir"]) / "metrics.jsonl", root / "training_story.png"))},
-        "timings_s": timings, "peak_rss_gib": peaks, "total_s": time.perf_counter() - start, "config": cfg.__dict__,
+        "timings_s": timings, "peak_rss_gib": peaks, "total_s": time.perf_counter() - start, "machine": machine_facts(), "config": cfg.__dict__,
     }
     write_report(summary, root)
     return summary
@@ -218,6 +219,7 @@ def _paired_line(name: str, p: dict[str, Any]) -> str:
 
 
 def report_markdown(summary: dict[str, Any], root: Path) -> str:
+    from envace.backends.models import machine_line
     from envace.envs import HELDOUT_WORLDS, TRAIN_WORLDS
 
     cfg = summary["config"]
@@ -227,7 +229,8 @@ def report_markdown(summary: dict[str, Any], root: Path) -> str:
         f"SFT on {cfg['sft_per_world']} tasks per training world x {cfg['sft_epochs']} epoch{'s' if cfg['sft_epochs'] > 1 else ''}, then {cfg['rl_steps']} GRPO steps "
         f"({cfg['rl_tasks_per_step']} tasks x K={cfg['rl_k']}, reward `{cfg['rl_reward']}`"
         f"{', further rounds of rollouts until that many groups carry a signal' if cfg.get('rl_filter_groups') else ''}) in rehearse mode. Greedy evaluation on "
-        f"{cfg['eval_per_world']} test tasks per world (difficulty {cfg['difficulty']}). Total wall time {summary['total_s'] / 60:.1f} min.", "",
+        f"{cfg['eval_per_world']} test tasks per world (difficulty {cfg['difficulty']}). Total wall time {summary['total_s'] / 60:.1f} min "
+        f"on {machine_line(summary['machine'])}.", "",
         f"| stage | success, training worlds ({', '.join(TRAIN_WORLDS)}) | success, held-out world ({', '.join(HELDOUT_WORLDS)}) | partial credit [95% CI] | tool F1 | fidelity exact / field F1 | real env calls | malformed |",
         "|---|---|---|---|---|---|---|---|",
     ]

@@ -1,5 +1,6 @@
 import pytest
 
+from envace.backends.models import machine_line
 from envace.config import ConfigError, build
 from envace.demo import DemoConfig, in_fresh_process, run_demo
 
@@ -53,6 +54,7 @@ def test_demo_pipeline_end_to_end_on_a_tiny_model(tmp_path):
     assert summary["stages"]["SFT + rehearsal GRPO, rehearse mode"]["overall"]["real_env_calls"] == 0
     assert set(summary["peak_rss_gib"]) == set(summary["timings_s"]) and all(v > 0 for v in summary["peak_rss_gib"].values())
     assert "| stage | seconds | peak RSS GiB |" in report
+    assert f"min on {machine_line(summary['machine'])}." in report  # the wall time names the machine it was measured on
 
 
 def test_each_demo_stage_runs_in_a_fresh_process_and_reports_its_peak_memory():

@@ -18,7 +18,7 @@ import pytest
 from envace.backends import ModelNotFoundError, check_model_spec, resolve_model
 from envace.backends import models
 from envace.backends.models import QWEN25_CODER_05B as QWEN
-from envace.backends.models import SMOLLM2
+from envace.backends.models import SMOLLM2, cpu_name, machine_line
 
 QWEN_NAME = "qwen2.5-coder-0.5b"
 
@@ -190,3 +190,16 @@ def test_qwen_model_loads_and_calls_a_tool():
     [reply] = gen.generate(gen.open(1), [tok.encode(prompt, add_special_tokens=False)], params)
     [call] = parse_act(reply.text, accept_fenced_json=True).calls
     assert call.name == "get_weather" and call.arguments == {"city": "Paris"}
+
+
+def test_cpu_name_reads_the_model_name_line_of_cpuinfo():
+    cpuinfo = "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu avx2\n\nprocessor\t: 1\nmodel name\t: AMD EPYC 7B13\n"
+    assert cpu_name(cpuinfo) == "AMD EPYC 7B13"
+    assert cpu_name("processor\t: 0\n") != ""  # no model name line (not x86): the platform's answer, never empty
+
+
+def test_machine_line_says_whether_bf16_is_native():
+    facts = {"cpu": "AMD EPYC", "cpu_count": 2, "torch_threads": 2, "native_bf16": False, "gpu": None, "torch": "2.13.0"}
+    assert machine_line(facts) == "AMD EPYC, 2 threads, no native bf16 (fp32 throughout)"
+    assert machine_line(facts | {"torch_threads": 1, "native_bf16": True}) == "AMD EPYC, 1 thread, native bf16"
+    assert machine_line(facts | {"gpu": "NVIDIA H100", "native_bf16": True}) == "NVIDIA H100, native bf16"

@@ -113,6 +113,33 @@ def native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def cpu_name(cpuinfo: str | None = None) -> str:
+    """The CPU's model name ("AMD EPYC", "Intel(R) Xeon(R) ..."), from /proc/cpuinfo on Linux."""
+    import platform
+
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    name = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), "")
+    return name or platform.processor() or "unknown CPU"
+
+
+def machine_facts() -> dict[str, Any]:
+    """What a run's wall time depends on, recorded beside it: the same demo took 15 min on an
+    AMX Xeon and several times that on an AVX2-only EPYC, whose bf16 is emulated (fp32 throughout)."""
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "native_bf16": native_bf16(), "gpu": gpu, "torch": torch.__version__}
+
+
+def machine_line(facts: dict[str, Any]) -> str:
+    """One line for a report: 'AMD EPYC, 2 threads, no native bf16 (fp32 throughout)'."""
+    where = facts["gpu"] or f"{facts['cpu']}, {facts['torch_threads']} thread{'s' if facts['torch_threads'] != 1 else ''}"
+    return f"{where}, {'native bf16' if facts['native_bf16'] else 'no native bf16 (fp32 throughout)'}"
+
+
 def default_dtype(device: torch.device | str) -> torch.dtype:
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
