@@ -565,6 +565,10 @@ def test_on_malformed_reaches_the_rollout_config(task_file):
     ({"max_total_tokens": 0}, "max_total_tokens"), ({"max_active": -1}, "max_active"),
     ({"advantage": "nope"}, "advantage"), ({"init_from": "/no/such/dir"}, "--init-from"),
     ({"simulator_model": "default"}, "--simulator-model"),  # read by --variant simulator only
+    ({"rehearse_sft_coef": -0.1}, "rehearse_sft_coef"),
+    ({"rehearse_sft_coef": 0.1, "variant": "act-only"}, "--variant envace"),  # trains no REHEARSE token
+    ({"rehearse_sft_coef": 0.1, "variant": "no-share", "rehearse_layout": "isolated"}, "--variant envace"),  # the policy does not rehearse
+    ({"rehearse_sft_coef": 0.1, "rehearse_layout": "isolated"}, "--rehearse-layout transcript"),
 ])
 def test_train_config_rejects_each_bad_option_by_name(values, option):
     with pytest.raises(ConfigError, match=re.escape(option)):
@@ -831,3 +835,114 @@ def test_grpo_from_a_warm_start_draws_built_in_tasks_it_was_not_trained_on(tmp_p
         tasks = load_train_tasks(dataclasses.replace(cfg, **overrides))
         assert [t.id for t in tasks] == [f"bank-train-0-{i}" for i in range(4)]
         assert {scenario_key(t) for t in sft_tasks} <= {scenario_key(t) for t in tasks}
+
+
+# ---- --rehearse-sft-coef: grounding the rehearser on the references' tool responses --------------
+
+def captured_gradients(monkeypatch):
+    """The policy's gradient at each optimizer step, as clip_and_step receives it."""
+    import envace.training.trainer as trainer_mod
+
+    grads, step = [], trainer_mod.clip_and_step
+
+    def recording(model, optimizer, max_norm):
+        grads.append(torch.cat([p.grad.detach().flatten().clone() if p.grad is not None else torch.zeros(p.numel()) for p in model.parameters()]))
+        return step(model, optimizer, max_norm)
+
+    monkeypatch.setattr(trainer_mod, "clip_and_step", recording)
+    return grads
+
+
+def response_nll_gradient(model, row):
+    """The gradient of the token-mean NLL of `row`'s ENV tokens, computed from the logits directly
+    (not through envace's loss code): the loss --rehearse-sft-coef adds."""
+    model.zero_grad(set_to_none=True)
+    ids = torch.tensor([row.input_ids])
+    logprobs = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1).gather(1, ids[0, 1:, None])[:, 0]
+    env = torch.tensor([r == Role.ENV for r in row.roles[1:]])
+    nll = -logprobs[env].mean()
+    nll.backward()
+    grad = torch.cat([p.grad.detach().flatten().clone() if p.grad is not None else torch.zeros(p.numel()) for p in model.parameters()])
+    model.zero_grad(set_to_none=True)
+    return nll.item(), grad
+
+
+def test_rehearse_sft_coef_trains_the_references_tool_responses_even_without_a_group_signal(tmp_path, task_file, monkeypatch):
+    """Equal rewards (no PPO signal): the update is not skipped, and its gradient is exactly
+    coef x the gradient of the token-mean NLL of the reference's tool-response tokens, computed
+    here from the initial weights' logits; one task per step so the row is known."""
+    import copy
+
+    grads = captured_gradients(monkeypatch)
+    cfg = build(TrainConfig, dict(SMALL, tasks=task_file, output_dir=str(tmp_path / "run"), steps=1, tasks_per_step=1, penalty=0.0,
+                                  reward="tests.training_rewards:constant", rehearse_sft_coef=0.5, precision="fp32"))
+    trainer = Trainer(cfg)
+    initial = copy.deepcopy(trainer.models.policy)
+    metrics = trainer.train_step()
+    trainer.logger.close()
+    [task_id] = trainer.grounding
+    row = trainer.grounding[task_id]
+    assert {Role(r) for r, m in zip(row.roles, row.loss_mask) if m} == {Role.ENV}  # only the tool responses are trained
+    assert metrics["groups/degenerate_frac"] == 1.0 and metrics["policy/skipped_update"] == 0.0
+    nll, grad = response_nll_gradient(initial, row)
+    assert metrics["policy/grounding_tokens"] == sum(r == Role.ENV for r in row.roles[1:])
+    assert metrics["policy/grounding_nll"] == pytest.approx(nll, rel=1e-5)
+    torch.testing.assert_close(grads[0], 0.5 * grad, rtol=1e-4, atol=1e-7)
+
+
+def test_rehearse_sft_coef_adds_its_gradient_to_the_ppo_gradient(tmp_path, task_file, monkeypatch):
+    """With a signal in every group the same rollouts (same seeds) give gradient(coef) =
+    gradient(no coef) + coef x the NLL gradient of the step's reference rows."""
+    import copy
+
+    grads = captured_gradients(monkeypatch)
+    runs = {}
+    for coef in (0.0, 2.0):
+        trainer = Trainer(build(TrainConfig, dict(SMALL, tasks=task_file, output_dir=str(tmp_path / f"run{coef}"), steps=1, tasks_per_step=1,
+                                                  reward="tests.training_rewards:rollout_index", rehearse_sft_coef=coef,
+                                                  precision="fp32")))
+        initial = copy.deepcopy(trainer.models.policy)
+        runs[coef] = trainer.train_step()
+        trainer.logger.close()
+    assert runs[0.0]["policy/trained_tokens"] == runs[2.0]["policy/trained_tokens"] > 0  # the same rollouts
+    assert "policy/grounding_nll" not in runs[0.0]
+    _, grad = response_nll_gradient(initial, next(iter(trainer.grounding.values())))
+    torch.testing.assert_close(grads[1], grads[0] + 2.0 * grad, rtol=1e-4, atol=1e-6)
+
+
+def test_rehearse_sft_coef_counts_the_references_it_executes_once_per_task_and_nothing_for_recorded_ones(tmp_path, task_file):
+    """A world task's reference is executed (its add call, then the replay that verifies it: 2
+    executions) once per run, counted as grounding; a recorded reference runs no world."""
+    from tests.test_rollout import NoWorlds, recorded_counter_task
+
+    trainer = Trainer(build(TrainConfig, dict(SMALL, tasks=task_file, output_dir=str(tmp_path / "world"), steps=1, rehearse_sft_coef=0.1)))
+    tasks = trainer.tasks[:2]
+    rows, executions = trainer.grounding_rows(tasks)
+    again, executions_again = trainer.grounding_rows(tasks)
+    trainer.logger.close()
+    assert len(rows) == 2 and [r.input_ids for r in again] == [r.input_ids for r in rows]
+    assert executions.as_dict() == {"rollout": 0, "verification": 0, "grounding": 4, "sft_data": 0, "task_data": 0, "total": 4}
+    assert executions_again.total == 0  # made once per run
+
+    free_file = tmp_path / "free.jsonl"
+    save_tasks([recorded_counter_task()], free_file)
+    trainer = Trainer(build(TrainConfig, dict(SMALL, tasks=str(free_file), reward="reference", output_dir=str(tmp_path / "free"), steps=1,
+                                              rehearse_sft_coef=0.1)))
+    trainer.env = NoWorlds()
+    rows, executions = trainer.grounding_rows(trainer.tasks)
+    metrics = trainer.train_step()
+    trainer.logger.close()
+    assert len(rows) == 1 and executions.total == 0
+    assert metrics["env/total_total"] == 0 and metrics["policy/grounding_tokens"] > 0
+
+
+def test_rehearse_sft_coef_refuses_tasks_without_a_reference_before_any_model_loads(tmp_path, monkeypatch):
+    import envace.training.trainer as trainer_mod
+
+    path = tmp_path / "bare.jsonl"
+    bare = counter_task()
+    bare.reference_calls = []
+    save_tasks([bare], path)
+    monkeypatch.setattr(trainer_mod, "load_trainable", lambda *a, **k: pytest.fail("a model loaded"))
+    with pytest.raises(ConfigError, match="neither `reference` nor `reference_calls` \\(first: t0\\)"):
+        Trainer(build(TrainConfig, dict(SMALL, tasks=str(path), output_dir=str(tmp_path / "run"), rehearse_sft_coef=0.1)))

@@ -110,17 +110,18 @@ def sft_rows(trajectories: list[Trajectory], roles: tuple[Role, ...]) -> list[Ro
     return rows
 
 
-def nll_step(model: Any, rows: list[Row], pad_id: int, max_tokens: int, accelerator: Any) -> float:
-    """Accumulate the token-mean negative log-likelihood over `rows` (this process's share of
-    the step's rows); returns the loss over every process's rows."""
+def nll_step(model: Any, rows: list[Row], pad_id: int, max_tokens: int, accelerator: Any, weight: float = 1.0) -> float:
+    """Accumulate the gradient of `weight` times the token-mean negative log-likelihood over
+    `rows` (this process's share of the step's rows) into the model's; returns the token-mean
+    NLL over every process's rows (unweighted)."""
     local = float(sum(sum(r.loss_mask) for r in rows))
     # DDP averages gradients over processes: normalise by the mean token count per process.
     total = global_sum(accelerator, local)
 
     def loss_fn(batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
         logprobs, _ = sequence_logprobs(model, batch, trained_only=True)
-        loss = -(logprobs * batch.loss_mask).sum() / (total / accelerator.num_processes)
-        return loss, {"loss": loss.item() / accelerator.num_processes}
+        nll = -(logprobs * batch.loss_mask).sum() / (total / accelerator.num_processes)
+        return weight * nll, {"loss": nll.item() / accelerator.num_processes}
 
     loss_sum = sum(m["loss"] for m in backward_micro_batches(accelerator, model, rows, max_tokens, pad_id, loss_fn))
     return global_sum(accelerator, loss_sum)

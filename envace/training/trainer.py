@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from envace import config as cfgmod
 from envace.algorithms import ADVANTAGES, group_metrics
-from envace.algorithms.losses import (build_rows, forwarded_tokens, pack_shared_prefixes, ppo_loss, rows_with_signal,
+from envace.algorithms.losses import (Row, build_rows, forwarded_tokens, pack_shared_prefixes, ppo_loss, rows_with_signal,
                                      sequence_logprobs)
 from envace.config import ConfigError, field
 from envace.accounting import WorldExecutions
@@ -38,10 +38,11 @@ from envace.backends.open import check_models, open_generator
 from envace.rewards import Context, compute_rewards, judge_missing, reward_names, runs_world
 from envace.rollout import RolloutConfig, RolloutEngine
 from envace.training.sharding import UnshardedCopy, checkpointed_optimizer, clip_and_step
+from envace.training.sft import nll_step, reference_trajectory, sft_rows
 from envace.training.variants import VARIANTS, variants_help
 from envace.training.setup import (TrainingOptions, backward_micro_batches, check_resume, check_sharding, load_trainable, make_accelerator,
                                    global_sum, prepare_trainable, seed_everything, shared_run_dir, timed)
-from envace.types import Task, Trajectory
+from envace.types import Role, Task, Trajectory
 
 def train_rollout() -> RolloutConfig:
     """Training's rollout defaults: shorter than evaluation's, so that a CPU step stays short.
@@ -79,6 +80,10 @@ class TrainConfig(TrainingOptions):
     clip_eps: float = field(0.2, help="PPO clip range: the ratio is clipped to [1 - clip_eps, 1 + clip_eps]")
     dual_clip: float | None = field(3.0, help="dual-clip constant (> 1) for negative advantages (None = off)")
     kl_coef: float = field(0.0, help="KL to the frozen initial model (0 = off)")
+    rehearse_sft_coef: float = field(0.0, help="grounds the rehearser: adds this weight times the token-mean NLL of the tool responses in "
+                                                "the reference trajectories of the step's tasks (recorded, or else executed once per task and "
+                                                "counted as grounding) to the update, so that REHEARSE learns what tools return and not only "
+                                                "what the task reward pays for (ECHO, PPO-ptx); 0 = off")
     share_prefix: bool = field(True, help="forward each group's shared prompt once in the update (same gradients, fewer tokens)")
     sampler: Literal["hf", "llamacpp", "vllm", "vllm-colocated"] = field("hf", help="rollout engine: hf (samples from the trained module itself), llamacpp "
                                                        "(llama.cpp with the policy's weights pushed after every step; pip install -e '.[llamacpp]'), "
@@ -141,6 +146,7 @@ class TrainConfig(TrainingOptions):
             raise ConfigError(f"dual_clip must be > 1 (a negative advantage's loss is capped at dual_clip times it), or null for off; got {self.dual_clip}")
         if self.kl_coef < 0:
             raise ConfigError(f"kl_coef must be >= 0 (0 = off), got {self.kl_coef}")
+        self._validate_grounding()
         if self.sampler == "llamacpp":
             from envace.backends.llamacpp import check_engine
 
@@ -153,6 +159,22 @@ class TrainConfig(TrainingOptions):
         self._validate_vllm()
         if self.tis_cap < 1:
             raise ConfigError(f"tis_cap must be >= 1 (the importance weight min(exp(old - behaviour), cap) truncates above it), got {self.tis_cap}")
+
+    def _validate_grounding(self) -> None:
+        """--rehearse-sft-coef trains the reference transcripts' tool responses into the policy, the
+        layout in which the policy itself rehearses: a variant that trains REHEARSE in the policy's
+        transcript."""
+        if self.rehearse_sft_coef < 0:
+            raise ConfigError(f"rehearse_sft_coef must be >= 0 (0 = off), got {self.rehearse_sft_coef}")
+        if not self.rehearse_sft_coef:
+            return
+        if Role.REHEARSE not in VARIANTS.get(self.variant).trained_roles.get("policy", ()):
+            raise ConfigError(f"--rehearse-sft-coef trains the policy's REHEARSE role, which --variant {self.variant} does not train: "
+                              "use --variant envace, or drop --rehearse-sft-coef")
+        if self.rollout.rehearse_layout != "transcript":
+            raise ConfigError("--rehearse-sft-coef trains tool responses in the agent's transcript, where the policy rehearses with "
+                              f"--rehearse-layout transcript; with --rehearse-layout {self.rollout.rehearse_layout} it would train another "
+                              "prompt than the one rehearsing: use --rehearse-layout transcript, or drop --rehearse-sft-coef")
 
     def _validate_vllm(self) -> None:
         """--sampler vllm and --vllm-url go together, and the server must take pushed weights:
@@ -261,6 +283,15 @@ def load_train_tasks(cfg: TrainConfig) -> list[Task]:
     return builtin_tasks("train", cfg.n_per_world, worlds=cfg.worlds or None, difficulty=cfg.difficulty, seed=cfg.seed, exclude=seen)
 
 
+def require_references(tasks: list[Task]) -> None:
+    """--rehearse-sft-coef trains on every task's reference trajectory: refuse tasks without one before any model loads."""
+    missing = [t.id for t in tasks if not (t.reference or t.reference_calls)]
+    if missing:
+        raise ConfigError(f"--rehearse-sft-coef trains the tool responses of each task's reference trajectory, and {len(missing)} "
+                          f"training task(s) have neither `reference` nor `reference_calls` (first: {missing[0]}): add one "
+                          "(docs/tasks.md), or drop --rehearse-sft-coef")
+
+
 def world_needs(cfg: TrainConfig) -> dict[str, str]:
     """The options in use that need an executable world, each with what world-free tasks can use instead."""
     needs = {}
@@ -329,6 +360,8 @@ class Trainer:
         self.cfg = cfg
         self.variant = VARIANTS.get(cfg.variant)
         self.tasks = load_train_tasks(cfg)  # bad task files fail before any model loads
+        if cfg.rehearse_sft_coef:
+            require_references(self.tasks)
         self.env = WorldEnvironment()
         self.accelerator = make_accelerator(cfg.precision)
         if cfg.tasks_per_step % self.accelerator.num_processes:
@@ -346,6 +379,8 @@ class Trainer:
         self.stream = TaskStream(self.tasks, cfg.seed)
         # This run's executions in a real world, by purpose (envace/accounting.py); checkpointed.
         self.world_calls = WorldExecutions()
+        # --rehearse-sft-coef: task id -> its reference trajectory's row (None: it did not replay), made once per run.
+        self.grounding: dict[str, Row | None] = {}
         if resume_from is not None:
             self._resume(resume_from)
         self.manifest = build_manifest(self.tasks, cfg.init_from)
@@ -525,7 +560,9 @@ class Trainer:
                 groups += engine.run(part, k=cfg.k, progress=cfg.progress, desc=f"step {self.step + 1} rollout ({mode}{f', round {round_index + 1}' if round_index else ''})")
         return groups
 
-    def update(self, groups: list[list[Trajectory]]) -> dict[str, float]:
+    def update(self, groups: list[list[Trajectory]], grounding: list[Row] | None = None) -> dict[str, float]:
+        """One optimizer step per trained model on the groups' rows (role-level GRPO), plus, for the
+        policy, the --rehearse-sft-coef loss on `grounding` (`grounding_rows`)."""
         cfg = self.cfg
         roles = self.variant.trained_roles
         advantages = ADVANTAGES.get(cfg.advantage)(groups, roles=self.variant.all_roles, normalize_std=cfg.normalize_std, penalty=cfg.penalty)
@@ -535,7 +572,8 @@ class Trainer:
         layout = "isolated" if any(t.side_rows for t in trajs) else "transcript"
         for name, model in self.models.trained.items():
             rows = build_rows(trajs, advs, roles[name], layout, group_sizes=[len(g) for g in groups])
-            metrics |= {f"{name}/{k}": v for k, v in self._optimize(name, model, rows).items()}
+            extra = (grounding or []) if name == "policy" else []
+            metrics |= {f"{name}/{k}": v for k, v in self._optimize(name, model, rows, extra).items()}
         return metrics
 
     @property
@@ -548,17 +586,19 @@ class Trainer:
         hf_exact = all(decode_settings(self.cfg.rollout.sampler_dtype, m) == exact for m in self._full_models().values())
         return self.cfg.sampler != "hf" or self.accelerator.mixed_precision != "no" or not hf_exact
 
-    def _optimize(self, name: str, model: Any, rows: list) -> dict[str, float]:
+    def _optimize(self, name: str, model: Any, rows: list, grounding: list[Row]) -> dict[str, float]:
         cfg = self.cfg
         optimizer, scheduler = self.models.optimizers[name], self.models.schedulers[name]
         optimizer.zero_grad(set_to_none=True)
         total = global_sum(self.accelerator, sum(sum(r.loss_mask) for r in rows))
+        grounded = global_sum(self.accelerator, sum(sum(r.loss_mask) for r in grounding))
         # DDP averages gradients over processes: scale the denominator so the result is the
         # token mean over every process's tokens.
         denom = total / self.accelerator.num_processes
         sums: dict[str, float] = {}
         signal = rows_with_signal(rows)
-        if not global_sum(self.accelerator, len(signal)):
+        has_signal = bool(global_sum(self.accelerator, len(signal)))
+        if not has_signal and not grounded:
             # No learning signal (e.g. every group had equal rewards): a step would only apply
             # weight decay and move Adam's moments, so the weights stay as they are. The
             # schedule still advances so it stays aligned with the step count.
@@ -571,8 +611,8 @@ class Trainer:
         # changes no weight. A KL term pulls every token towards the reference whatever its
         # advantage, so with one every row is kept. The per-token diagnostics (clip_frac, entropy,
         # approx_kl) are then means over the rows that were forwarded.
-        zero_rows = 0 if cfg.kl_coef else len(rows) - len(signal)
-        if not cfg.kl_coef:
+        zero_rows = len(rows) if not has_signal else 0 if cfg.kl_coef else len(rows) - len(signal)
+        if not cfg.kl_coef or not has_signal:
             rows = signal
         tis_cap = cfg.tis_cap if self.numerics_differ else None
         model.train()
@@ -590,10 +630,15 @@ class Trainer:
             return ppo_loss(logprobs, logprobs.detach(), batch.advantages, batch.loss_mask, cfg.clip_eps, cfg.dual_clip, ref, cfg.kl_coef,
                             roles=batch.roles, entropy=entropy, num_tokens=float(denom), behaviour_logprobs=batch.sampler_logprobs, tis_cap=tis_cap)
 
-        for m in backward_micro_batches(self.accelerator, model, rows, cfg.micro_batch_tokens, self.tokenizer.pad_token_id, loss_fn, share_prefix=cfg.share_prefix):
+        # Without a signal the PPO loss is 0 and only the grounding loss trains.
+        for m in backward_micro_batches(self.accelerator, model, rows, cfg.micro_batch_tokens, self.tokenizer.pad_token_id, loss_fn, share_prefix=cfg.share_prefix) if has_signal else []:
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + (v if k == "loss" or k.startswith("tokens") else v * m[_token_key(k)])
         sums = {k: v if k == "loss" or k.startswith("tokens") else v / max(sums[_token_key(k)], 1.0) for k, v in sums.items()}
+        if grounded:
+            # The gradients add up: PPO's token mean over the rollouts plus coef x the token-mean NLL of the references' tool responses.
+            nll = nll_step(model, grounding, self.tokenizer.pad_token_id, cfg.micro_batch_tokens, self.accelerator, weight=cfg.rehearse_sft_coef)
+            sums |= {"grounding_nll": nll, "grounding_tokens": float(grounded)}
         grad_norm = clip_and_step(model, optimizer, cfg.grad_clip)
         scheduler.step()
         forwarded = forwarded_tokens(pack_shared_prefixes(rows) if cfg.share_prefix else rows)
@@ -609,12 +654,12 @@ class Trainer:
     def reward(self, tasks: list[Task], groups: list[list[Trajectory]]) -> None:
         compute_rewards(self.cfg.reward, groups, tasks, Context(env=self.env, judge=self.judge))
 
-    def rollout_metrics(self, tasks: list[Task], groups: list[list[Trajectory]]) -> dict[str, float]:
-        """Success, reward, fidelity and world executions of scored groups; adds their
-        executions to the run's count, so call it once per group."""
+    def rollout_metrics(self, tasks: list[Task], groups: list[list[Trajectory]], other: WorldExecutions | None = None) -> dict[str, float]:
+        """Success, reward, fidelity and world executions of scored groups (and `other`
+        executions of this process's step); adds them to the run's count, so call it once per group."""
         records = [trajectory_record(t, tr) for t, g in zip(tasks, groups) for tr in g]
         summary = summarize_records(records)
-        local = WorldExecutions.of(tr for g in groups for tr in g).as_dict()
+        local = (WorldExecutions.of(tr for g in groups for tr in g) + (other or WorldExecutions())).as_dict()
         step_calls = WorldExecutions.from_dict({k: global_sum(self.accelerator, v) for k, v in local.items()})
         self.world_calls += step_calls
         keys = ("success_rate", "partial_credit", "mean_reward", "tokens_per_task", "malformed", "tool_exceptions", "fidelity/exact", "fidelity/field_f1", "fidelity/calls")
@@ -673,11 +718,30 @@ class Trainer:
             before = sum(gather_object([len(kept)])[: self.accelerator.process_index])
         return kept[: max(0, self.cfg.tasks_per_step - before)]
 
+    def grounding_rows(self, tasks: list[Task]) -> tuple[list[Row], WorldExecutions]:
+        """--rehearse-sft-coef: each task's reference trajectory as a row whose tool responses (ENV
+        tokens, the REHEARSE targets, as in `envace sft`) are trained, and the world executions
+        making them took. Made once per task in a run (cached); a task without a recorded reference
+        executes its reference calls in its world, counted as grounding; a reference that does not
+        replay (or verify) gives no row."""
+        executions = WorldExecutions()
+        for task in tasks:
+            if task.id not in self.grounding:
+                traj, good = reference_trajectory(task, self.tokenizer, self.env, self.cfg.rollout.max_total_tokens)
+                executions.grounding += WorldExecutions.of([traj]).total
+                self.grounding[task.id] = sft_rows([traj], (Role.ENV,))[0] if good else None
+        rows = [self.grounding[t.id] for t in tasks]
+        return [r for r in rows if r is not None], executions
+
     def train_step(self) -> dict[str, float]:
         before = {stream: generator.stats.counters() for stream, generator in self.generators.items()}
         tasks, groups, signal, t_rollout, rounds = self.collect()
-        metrics = self.rollout_metrics(tasks, groups) | self._sampler_metrics(before)
         kept = self.kept_groups(groups, signal)
+        grounding, grounding_calls = [], WorldExecutions()
+        if self.cfg.rehearse_sft_coef:
+            task_of = {t.id: t for t in tasks}
+            grounding, grounding_calls = self.grounding_rows([task_of[g[0].task_id] for g in kept])
+        metrics = self.rollout_metrics(tasks, groups, grounding_calls) | self._sampler_metrics(before)
         if self.cfg.filter_groups:
             counts = {"groups_rolled_out": len(groups), "groups_with_signal": sum(signal), "groups_kept": len(kept)}
             metrics |= {"filter/rounds": float(rounds)} | {f"filter/{k}": global_sum(self.accelerator, v) for k, v in counts.items()}
@@ -685,7 +749,7 @@ class Trainer:
             # The update gets the device (vLLM's sleep mode; a no-op on CPU); the engine wakes
             # itself at the next weight sync or generation.
             generator.sleep()
-        update, t_update = timed(lambda: self.update(kept))
+        update, t_update = timed(lambda: self.update(kept, grounding))
         self.step += 1
         metrics |= update | {"time/rollout_s": t_rollout, "time/update_s": t_update, "time/rollout_share": t_rollout / max(t_rollout + t_update, 1e-9)}
         metrics = sampler_rates(self._global_metrics(metrics))
