@@ -84,6 +84,11 @@ ROWS: dict[str, dict] = {
     # DAPO's dynamic sampling: up to 3 rounds of 8 tasks per step until 8 groups carry a signal (about a
     # third of the groups did above), so that each update has 32 rows of signal rather than about 10.
     "unseen-8-tasks-filter-6-steps": {"sft_per_world": 24, "rl_tasks_per_step": 8, "rl_filter_groups": True, "rl_steps": 6},
+    # The demo's GRPO stage as it is (filtered groups, unseen tasks), without and with the rehearser
+    # grounded on the step's reference trajectories (--rehearse-sft-coef): rehearsal fidelity fell
+    # during every GRPO run above, since only the task reward trains REHEARSE.
+    "current-demo": {},
+    "rehearse-sft-0.5": {"rl_rehearse_sft_coef": 0.5},
 }
 
 # A continued row resumes the finished run of the row it names for its further steps: with the
@@ -151,8 +156,9 @@ def stage(results: dict, path: Path, name: str, fn) -> dict:
 
 
 def training_curve(run_dir: str) -> list[dict]:
-    """Per step: the rollouts' mean reward, success, partial credit and malformed outputs (rehearse mode)."""
-    keys = ("reward/mean", "success_rate", "partial_credit", "malformed")
+    """Per step: the rollouts' mean reward, success, partial credit, malformed outputs and rehearsal
+    fidelity (rehearse mode), and the grounding loss where --rehearse-sft-coef trained one."""
+    keys = ("reward/mean", "success_rate", "partial_credit", "malformed", "fidelity/exact", "fidelity/field_f1", "policy/grounding_nll")
     return [{k: m.get(k) for k in ("step", *keys)} for m in map(json.loads, Path(run_dir, "metrics.jsonl").read_text().splitlines())]
 
 
@@ -205,17 +211,18 @@ def table(results: dict, rows: list[str]) -> str:
         return f"{p['mean_diff']:+.3f} [{p['ci95'][0]:+.3f}, {p['ci95'][1]:+.3f}] ({p['better']}/{p['worse']})"
 
     lines = ["| row | changed | warm start success / partial credit | after GRPO success / partial credit | success vs warm start [95% CI] (better/worse) "
-             "| partial credit vs warm start | rollout reward per step | malformed in rollouts per step | train s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| partial credit vs warm start | rollout reward per step | malformed in rollouts per step | rehearsal fidelity (exact) per step | train s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         if f"compare-{row}" not in results:
             continue
         cmp, warm, after = results[f"compare-{row}"], overall(f"eval-{results[f'warm-of-{row}']}"), overall(f"eval-{row}")
         curve = ", ".join(f"{c['reward/mean']:.2f}" for c in results[f"curve-{row}"])
         malformed = ", ".join(f"{c['malformed']:.0f}" for c in results[f"curve-{row}"])
+        fidelity = ", ".join("-" if c.get("fidelity/exact") is None else f"{c['fidelity/exact']:.2f}" for c in results[f"curve-{row}"])
         changed = ", ".join(f"{k}={v}" for k, v in ROWS[row].items()) or "(the demo's settings)"
         lines.append(f"| {row} | {changed} | {warm['success_rate']:.3f} / {warm['partial_credit']:.3f} | {after['success_rate']:.3f} / {after['partial_credit']:.3f} | "
-                     f"{paired(cmp['success'])} | {paired(cmp['partial_credit'])} | {curve} | {malformed} | {results[f'train-{row}']['seconds']:.0f} |")
+                     f"{paired(cmp['success'])} | {paired(cmp['partial_credit'])} | {curve} | {malformed} | {fidelity} | {results[f'train-{row}']['seconds']:.0f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -45,6 +45,8 @@ class DemoConfig:
                                             "tasks, at 0.5 none, though greedy malformed outputs rose 1 -> 8 (benchmarks/grpo_sweep.py, docs/training.md)")
     rl_grounding: bool = field(False, help="GRPO rehearsal from the isolated simulator prompt with the task's reference (call, true result) pairs "
                                              "(the reference implementation's privileged grounding; its world runs are counted as grounding)")
+    rl_rehearse_sft_coef: float = field(0.0, help="GRPO with the rehearser grounded on the reference trajectories' tool responses "
+                                                  "(`envace train --rehearse-sft-coef`; 0 = off)")
     rl_real_fraction: float = field(0.0, help="share of each GRPO step's tasks rolled out against the real world (the rest rehearsed)")
     rl_filter_groups: bool = field(True, help="GRPO with DAPO's dynamic sampling: up to 3 rounds of rollouts per step until rl_tasks_per_step groups "
                                               "carry a signal (8 x 4 for 6 steps from the 24-per-world warm start: +9/-0 of 120 test tasks with it, "
@@ -153,7 +155,7 @@ def train_config(cfg: DemoConfig, output_dir: Path, init_from: str | None = None
     from envace.training.trainer import TrainConfig
 
     return build(TrainConfig, dict(model=cfg.model, init_from=init_from, variant="envace", steps=cfg.rl_steps, tasks_per_step=cfg.rl_tasks_per_step, k=cfg.rl_k,
-                                   lr=cfg.rl_lr, reward=cfg.rl_reward, real_fraction=cfg.rl_real_fraction, filter_groups=cfg.rl_filter_groups, unseen_tasks=cfg.rl_unseen_tasks, difficulty=cfg.difficulty, output_dir=str(output_dir), save_every=cfg.rl_steps,
+                                   lr=cfg.rl_lr, reward=cfg.rl_reward, rehearse_sft_coef=cfg.rl_rehearse_sft_coef, real_fraction=cfg.rl_real_fraction, filter_groups=cfg.rl_filter_groups, unseen_tasks=cfg.rl_unseen_tasks, difficulty=cfg.difficulty, output_dir=str(output_dir), save_every=cfg.rl_steps,
                                    # one task group (~1.5-3k packed tokens) per micro-batch: the GRPO stage peaked at 8.9 GiB with
                                    # 4096, 5.1 GiB with this (measured, docs/training.md), for the same update
                                    micro_batch_tokens=1024, tiny=cfg.tiny, seed=cfg.seed, progress=cfg.progress,
