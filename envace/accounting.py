@@ -5,8 +5,9 @@ A claim like "trained with no environment" must count every execution, not only 
                 the real share of `--real-fraction`)
   verification  a call re-run on a fresh world after a rollout: reward replays (`replay`) and the
                 fidelity reference of rehearsed trajectories
-  grounding     a reference call run to ground the isolated simulator prompt (tasks without a
-                recorded reference)
+  grounding     a reference call run to ground the rehearser (tasks without a recorded
+                reference): the isolated simulator prompt's examples, the reference rows of
+                `--rehearse-sft-coef`
   sft_data      executed to make warm-start data (SFT on a world's tasks: the reference replay and
                 its verification)
   task_data     executed once to record world-free tasks' references (`envace tasks --no-world`,
