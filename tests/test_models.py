@@ -18,7 +18,7 @@ import pytest
 from envace.backends import ModelNotFoundError, check_model_spec, resolve_model
 from envace.backends import models
 from envace.backends.models import QWEN25_CODER_05B as QWEN
-from envace.backends.models import SMOLLM2, cpu_name, machine_line
+from envace.backends.models import SMOLLM2, cpu_name, machine_line, warn_if_bf16_is_emulated
 
 QWEN_NAME = "qwen2.5-coder-0.5b"
 
@@ -203,3 +203,25 @@ def test_machine_line_says_whether_bf16_is_native():
     assert machine_line(facts) == "AMD EPYC, 2 threads, no native bf16 (fp32 throughout)"
     assert machine_line(facts | {"torch_threads": 1, "native_bf16": True}) == "AMD EPYC, 1 thread, native bf16"
     assert machine_line(facts | {"gpu": "NVIDIA H100", "native_bf16": True}) == "NVIDIA H100, native bf16"
+
+
+@pytest.mark.parametrize("native,warns", [(False, True), (True, False)])
+def test_bf16_asked_for_on_a_cpu_that_emulates_it_warns_by_name(monkeypatch, native, warns):
+    import warnings
+
+    from envace.config import build
+    from envace.rollout import RolloutConfig
+    from envace.training.sft import SFTConfig
+
+    monkeypatch.setattr(models, "native_bf16", lambda: native)
+    monkeypatch.setattr(models.torch.cuda, "is_available", lambda: False)
+    for option, make in (("--precision bf16", lambda: build(SFTConfig, {"precision": "bf16"})),
+                         ("--sampler-dtype int8", lambda: RolloutConfig(sampler_dtype="int8").validate())):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            make()
+        emulated = [w for w in caught if "emulates bf16" in str(w.message)]
+        assert len(emulated) == int(warns) and all(option in str(w.message) for w in emulated)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build(SFTConfig, {"precision": "auto"})  # auto never warns: it picks fp32 on such a CPU

@@ -49,5 +49,9 @@ class RolloutConfig:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.sampler_dtype == "int8" and torch.cuda.is_available():
             raise ConfigError("--sampler-dtype int8 runs torch's CPU int8 kernel, and this machine samples on its GPU: use bf16 (or auto)")
+        if self.sampler_dtype in ("bf16", "int8"):  # int8 decodes with bf16 activations
+            from envace.backends.models import warn_if_bf16_is_emulated
+
+            warn_if_bf16_is_emulated(f"--sampler-dtype {self.sampler_dtype}")
         if self.max_active is not None and self.max_active < 0:
             raise ConfigError(f"max_active must be >= 1, or 0 for all at once, got {self.max_active}")

@@ -17,7 +17,7 @@ import yaml
 
 from envace import config as cfgmod
 from envace.config import ConfigError, field
-from envace.backends.models import native_bf16
+from envace.backends.models import native_bf16, warn_if_bf16_is_emulated
 from envace.algorithms.losses import PackedRows, Row, budget_micro_batches, collate, lockstep_micro_batches, pack_shared_prefixes
 
 
@@ -66,6 +66,8 @@ class TrainingOptions:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.resume and not self.output_dir:
             raise ConfigError("--resume needs --output-dir (the run to continue)")
+        if self.precision == "bf16":
+            warn_if_bf16_is_emulated("--precision bf16")
 
 
 def seed_everything(seed: int) -> None:
