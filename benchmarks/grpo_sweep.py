@@ -211,8 +211,9 @@ def table(results: dict, rows: list[str]) -> str:
         return f"{p['mean_diff']:+.3f} [{p['ci95'][0]:+.3f}, {p['ci95'][1]:+.3f}] ({p['better']}/{p['worse']})"
 
     lines = ["| row | changed | warm start success / partial credit | after GRPO success / partial credit | success vs warm start [95% CI] (better/worse) "
-             "| partial credit vs warm start | rollout reward per step | malformed in rollouts per step | rehearsal fidelity (exact) per step | train s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| partial credit vs warm start | rollout reward per step | malformed in rollouts per step | rehearsal fidelity (exact) per step "
+             "| test-task fidelity, rehearse mode: warm start -> after (exact / field F1) | train s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         if f"compare-{row}" not in results:
             continue
@@ -220,9 +221,12 @@ def table(results: dict, rows: list[str]) -> str:
         curve = ", ".join(f"{c['reward/mean']:.2f}" for c in results[f"curve-{row}"])
         malformed = ", ".join(f"{c['malformed']:.0f}" for c in results[f"curve-{row}"])
         fidelity = ", ".join("-" if c.get("fidelity/exact") is None else f"{c['fidelity/exact']:.2f}" for c in results[f"curve-{row}"])
+        test_fidelity = " -> ".join(f"{o['fidelity/exact']:.2f} / {o['fidelity/field_f1']:.2f}" for o in
+                                    (overall(f"eval-rehearse-{n}") for n in (results[f"warm-of-{row}"], row) if f"eval-rehearse-{n}" in results)
+                                    if "fidelity/exact" in o) or "-"
         changed = ", ".join(f"{k}={v}" for k, v in ROWS[row].items()) or "(the demo's settings)"
         lines.append(f"| {row} | {changed} | {warm['success_rate']:.3f} / {warm['partial_credit']:.3f} | {after['success_rate']:.3f} / {after['partial_credit']:.3f} | "
-                     f"{paired(cmp['success'])} | {paired(cmp['partial_credit'])} | {curve} | {malformed} | {fidelity} | {results[f'train-{row}']['seconds']:.0f} |")
+                     f"{paired(cmp['success'])} | {paired(cmp['partial_credit'])} | {curve} | {malformed} | {fidelity} | {test_fidelity} | {results[f'train-{row}']['seconds']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -237,6 +241,8 @@ def main() -> None:
                    help="test tasks per world (5 worlds); one per --out. 8 (the demo's): a task moves success by 0.025")
     p.add_argument("--eval-sampler-dtype", default=DemoConfig().eval_sampler_dtype, choices=EVAL_SAMPLER_DTYPES,
                    help="numerics of the evaluations; one per --out (benchmarks/eval_noise.py: how far each moves a score by batch width alone)")
+    p.add_argument("--eval-rehearse", action="store_true", help="also evaluate each warm start and row in rehearse mode on the same test "
+                   "tasks: the rehearser's fidelity on tasks no stage trained on (rerun with it to add these to a finished sweep)")
     p.add_argument("--trained", default=None, help="another sweep's --out (same seed): its finished warm starts and GRPO runs are this "
                    "sweep's, evaluated here rather than retrained (e.g. with a larger --eval-per-world)")
     args = p.parse_args()
@@ -270,12 +276,16 @@ def main() -> None:
             sft_stage = "sft" if name == "warm" else f"sft-{name}"
             warm_starts[name] = args.warm or stage(results, path, sft_stage, (run_sft, sft_config(cfg, out / sft_stage)))["result"]["final_model"]
             stage(results, path, f"eval-{name}", (evaluate_model, warm_starts[name], cfg, "real", out / f"eval-{name}"))
+            if args.eval_rehearse:
+                stage(results, path, f"eval-rehearse-{name}", (evaluate_model, warm_starts[name], cfg, "rehearse", out / f"eval-rehearse-{name}"))
         train = train_config(cfg, out / f"train-{row}", init_from=warm_starts[name])
         if (parent := CONTINUES.get(row)) and f"train-{row}" not in results:
             start_as_copy(Path(results[f"train-{parent}"]["result"]["run_dir"]), out / f"train-{row}")
             train.resume = True
         trained = stage(results, path, f"train-{row}", (run_train, train))["result"]
         stage(results, path, f"eval-{row}", (evaluate_model, trained["final_model"], cfg, "real", out / f"eval-{row}"))
+        if args.eval_rehearse:
+            stage(results, path, f"eval-rehearse-{row}", (evaluate_model, trained["final_model"], cfg, "rehearse", out / f"eval-rehearse-{row}"))
         results[f"warm-of-{row}"] = name
         results[f"compare-{row}"] = compare(out / f"eval-{name}", out / f"eval-{row}")
         results[f"curve-{row}"] = training_curve(trained["run_dir"])

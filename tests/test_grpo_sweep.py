@@ -56,3 +56,19 @@ def test_another_sweeps_trained_stages_are_taken_and_its_evaluations_are_not(tmp
     assert mine[f"train-{TWELVE}"] == {"result": {"run_dir": "mine"}}  # this sweep's own stage is kept
     with pytest.raises(SystemExit, match="was trained with seed 0, this sweep uses seed 1"):
         grpo_sweep.take_trained({"seed": 1}, tmp_path)
+
+
+def test_the_table_shows_rehearsal_fidelity_per_step_and_on_the_test_tasks_where_measured():
+    paired = {"mean_diff": 0.025, "ci95": [0.0, 0.075], "better": 1, "worse": 0}
+    overall = {"success_rate": 0.1, "partial_credit": 0.2}
+    results = {"warm-of-current-demo": "warm", "compare-current-demo": {"success": paired, "partial_credit": paired},
+               "eval-warm": {"result": {"overall": overall}}, "eval-current-demo": {"result": {"overall": overall}},
+               "train-current-demo": {"seconds": 300.0},
+               # a step before fidelity was logged (an older results.json) reads "-"
+               "curve-current-demo": [{"reward/mean": 0.1, "malformed": 2, "fidelity/exact": 0.5}, {"reward/mean": 0.2, "malformed": 0}]}
+    row = grpo_sweep.table(results, ["current-demo"]).splitlines()[2]
+    assert "| 0.50, - | - | 300 |" in row  # no rehearse-mode evaluation: no test-task fidelity
+    results["eval-rehearse-warm"] = {"result": {"overall": overall | {"fidelity/exact": 0.25, "fidelity/field_f1": 0.5}}}
+    results["eval-rehearse-current-demo"] = {"result": {"overall": overall | {"fidelity/exact": 0.375, "fidelity/field_f1": 0.625}}}
+    row = grpo_sweep.table(results, ["current-demo"]).splitlines()[2]
+    assert "| 0.50, - | 0.25 / 0.50 -> 0.38 / 0.62 | 300 |" in row
