@@ -18,7 +18,8 @@ stages are kept in results.json):
   3. per row: the demo's GRPO stage with the row's settings (envace variant, rehearse mode, the
      partial-credit reward), evaluated on the same 40 tasks, compared with its warm start task by
      task (paired bootstrap, success and partial credit)
-Writes results.json, results.md (the table in docs/training.md) and, for runs evaluated at several
+Writes results.json, results.md (the table in docs/training.md), fidelity.png (the rehearser's
+fidelity per step, and the grounding loss where one was trained) and, for runs evaluated at several
 step counts (continued rows), steps.png.
 """
 
@@ -203,6 +204,31 @@ def steps_plot(results: dict, rows: list[str], path: Path) -> Path | None:
     return path
 
 
+def fidelity_plot(results: dict, rows: list[str], path: Path) -> Path | None:
+    """Per row whose rollouts logged it: the rehearser's fidelity in the training rollouts
+    (exact match with the real world's response, per step) and, where --rehearse-sft-coef
+    trained one, the grounding loss (NLL of the reference responses before each step's update)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    curves = {r: results[f"curve-{r}"] for r in rows if any(c.get("fidelity/exact") is not None for c in results.get(f"curve-{r}", []))}
+    if not curves:
+        return None
+    fig = Figure(figsize=(10, 4))
+    fidelity, nll = fig.subplots(1, 2)
+    for row, curve in curves.items():
+        fidelity.plot([c["step"] for c in curve], [c.get("fidelity/exact") for c in curve], marker="o", label=row)
+        if any(c.get("policy/grounding_nll") is not None for c in curve):
+            nll.plot([c["step"] for c in curve], [c.get("policy/grounding_nll") for c in curve], marker="o", label=row)
+    fidelity.set(xlabel="GRPO step", ylabel="exact", title="rehearsal fidelity in the training rollouts", ylim=(0, 1))
+    nll.set(xlabel="GRPO step", ylabel="nats per token", title="grounding loss (reference tool responses)")
+    for ax in (fidelity, nll):
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    FigureCanvasAgg(fig).print_png(str(path))
+    return path
+
+
 def table(results: dict, rows: list[str]) -> str:
     def overall(name: str) -> dict:
         return results[name]["result"]["overall"]
@@ -292,6 +318,7 @@ def main() -> None:
         path.write_text(json.dumps(results, indent=2, default=str))
         (out / "results.md").write_text(table(results, rows))
         steps_plot(results, rows, out / "steps.png")
+        fidelity_plot(results, rows, out / "fidelity.png")
         print(table(results, rows), flush=True)
 
 

@@ -72,3 +72,11 @@ def test_the_table_shows_rehearsal_fidelity_per_step_and_on_the_test_tasks_where
     results["eval-rehearse-current-demo"] = {"result": {"overall": overall | {"fidelity/exact": 0.375, "fidelity/field_f1": 0.625}}}
     row = grpo_sweep.table(results, ["current-demo"]).splitlines()[2]
     assert "| 0.50, - | 0.25 / 0.50 -> 0.38 / 0.62 | 300 |" in row
+
+
+def test_the_fidelity_plot_is_drawn_only_for_rows_that_logged_fidelity(tmp_path):
+    old = {"curve-demo": [{"step": 1, "reward/mean": 0.1, "malformed": 0}]}  # a row from before fidelity was logged
+    assert grpo_sweep.fidelity_plot(old, ["demo"], tmp_path / "none.png") is None and not (tmp_path / "none.png").exists()
+    curves = old | {"curve-rehearse-sft-0.5": [{"step": s, "fidelity/exact": f, "policy/grounding_nll": n} for s, f, n in ((1, 0.3, 0.9), (2, 0.4, 0.7))]}
+    path = grpo_sweep.fidelity_plot(curves, ["demo", "rehearse-sft-0.5"], tmp_path / "fidelity.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
