@@ -43,52 +43,54 @@ SEEN = {"rl_unseen_tasks": False}
 # The rows measured before GRPO filtered groups by default (DAPO's dynamic sampling) rolled out one
 # round of tasks per step, and rerun as they were.
 ONE_ROUND = {"rl_filter_groups": False}
+# The rows measured before the demo grounded its rehearser (--rehearse-sft-coef) trained it with the task reward only, and rerun as they were.
+UNGROUNDED = {"rl_rehearse_sft_coef": 0.0}
 
 # Each row changes DemoConfig fields of the GRPO stage or of its warm start; "demo" is the demo as it was.
 # Measured on 2026-12-03 (docs/training.md): demo, temp-1.0, sft-1-epoch-temp-1.0 (the demo before);
 # grounding (stopped after 2 steps), real-third; the sft-24-* rows (sft-24-temp-1.0-12-steps stopped after 1 step).
 ROWS: dict[str, dict] = {
-    "demo": {**ONE_ROUND, **SEEN},
-    "temp-1.0": {**ONE_ROUND, **SEEN, "rl_temperature": 1.0},
-    "sft-1-epoch-temp-1.0": {**ONE_ROUND, **SEEN, "sft_epochs": 1, "rl_temperature": 1.0},
-    "lr-5e-5": {**ONE_ROUND, **SEEN, "rl_lr": 5e-5},
-    "lr-1e-4": {**ONE_ROUND, **SEEN, "rl_lr": 1e-4},
-    "6-steps": {**ONE_ROUND, **SEEN, "rl_steps": 6},
-    "k-8": {**ONE_ROUND, **SEEN, "rl_k": 8, "rl_tasks_per_step": 2},
-    "replay-reward": {**ONE_ROUND, **SEEN, "rl_reward": "replay"},
-    "grounding": {**ONE_ROUND, **SEEN, "rl_grounding": True},
-    "real-third": {**ONE_ROUND, **SEEN, "rl_real_fraction": 1 / 3},
-    "sft-24-per-world-4-steps": {**ONE_ROUND, **SEEN, "sft_per_world": 24, "rl_steps": 4},
-    "sft-24-lr-1e-4-8-steps": {**ONE_ROUND, **SEEN, "sft_per_world": 24, "rl_lr": 1e-4, "rl_steps": 8},
-    "sft-24-12-steps": {**ONE_ROUND, **SEEN, "sft_per_world": 24, "rl_steps": 12},
-    "sft-24-temp-1.0-12-steps": {**ONE_ROUND, **SEEN, "sft_per_world": 24, "rl_temperature": 1.0, "rl_steps": 12},
+    "demo": {**UNGROUNDED, **ONE_ROUND, **SEEN},
+    "temp-1.0": {**UNGROUNDED, **ONE_ROUND, **SEEN, "rl_temperature": 1.0},
+    "sft-1-epoch-temp-1.0": {**UNGROUNDED, **ONE_ROUND, **SEEN, "sft_epochs": 1, "rl_temperature": 1.0},
+    "lr-5e-5": {**UNGROUNDED, **ONE_ROUND, **SEEN, "rl_lr": 5e-5},
+    "lr-1e-4": {**UNGROUNDED, **ONE_ROUND, **SEEN, "rl_lr": 1e-4},
+    "6-steps": {**UNGROUNDED, **ONE_ROUND, **SEEN, "rl_steps": 6},
+    "k-8": {**UNGROUNDED, **ONE_ROUND, **SEEN, "rl_k": 8, "rl_tasks_per_step": 2},
+    "replay-reward": {**UNGROUNDED, **ONE_ROUND, **SEEN, "rl_reward": "replay"},
+    "grounding": {**UNGROUNDED, **ONE_ROUND, **SEEN, "rl_grounding": True},
+    "real-third": {**UNGROUNDED, **ONE_ROUND, **SEEN, "rl_real_fraction": 1 / 3},
+    "sft-24-per-world-4-steps": {**UNGROUNDED, **ONE_ROUND, **SEEN, "sft_per_world": 24, "rl_steps": 4},
+    "sft-24-lr-1e-4-8-steps": {**UNGROUNDED, **ONE_ROUND, **SEEN, "sft_per_world": 24, "rl_lr": 1e-4, "rl_steps": 8},
+    "sft-24-12-steps": {**UNGROUNDED, **ONE_ROUND, **SEEN, "sft_per_world": 24, "rl_steps": 12},
+    "sft-24-temp-1.0-12-steps": {**UNGROUNDED, **ONE_ROUND, **SEEN, "sft_per_world": 24, "rl_temperature": 1.0, "rl_steps": 12},
     # More rows with a signal per Adam step: 8 tasks x K = 4 (32 rows) per step instead of 3 x 4.
-    "sft-24-8-tasks-6-steps": {**ONE_ROUND, **SEEN, "sft_per_world": 24, "rl_tasks_per_step": 8, "rl_steps": 6},
-    "sft-24-8-tasks-12-steps": {**ONE_ROUND, **SEEN, "sft_per_world": 24, "rl_tasks_per_step": 8, "rl_steps": 12},
-    "sft-24-8-tasks-18-steps": {**ONE_ROUND, **SEEN, "sft_per_world": 24, "rl_tasks_per_step": 8, "rl_steps": 18},
-    "sft-24-8-tasks-24-steps": {**ONE_ROUND, **SEEN, "sft_per_world": 24, "rl_tasks_per_step": 8, "rl_steps": 24},
+    "sft-24-8-tasks-6-steps": {**UNGROUNDED, **ONE_ROUND, **SEEN, "sft_per_world": 24, "rl_tasks_per_step": 8, "rl_steps": 6},
+    "sft-24-8-tasks-12-steps": {**UNGROUNDED, **ONE_ROUND, **SEEN, "sft_per_world": 24, "rl_tasks_per_step": 8, "rl_steps": 12},
+    "sft-24-8-tasks-18-steps": {**UNGROUNDED, **ONE_ROUND, **SEEN, "sft_per_world": 24, "rl_tasks_per_step": 8, "rl_steps": 18},
+    "sft-24-8-tasks-24-steps": {**UNGROUNDED, **ONE_ROUND, **SEEN, "sft_per_world": 24, "rl_tasks_per_step": 8, "rl_steps": 24},
     # At T = 0.5 that warm start samples its ACT tokens at 0.000-0.040 nats of entropy: its K rollouts mostly repeat each other.
-    "sft-24-8-tasks-temp-1.0-6-steps": {**ONE_ROUND, **SEEN, "sft_per_world": 24, "rl_tasks_per_step": 8, "rl_temperature": 1.0, "rl_steps": 6},
-    "sft-24-8-tasks-temp-1.0-12-steps": {**ONE_ROUND, **SEEN, "sft_per_world": 24, "rl_tasks_per_step": 8, "rl_temperature": 1.0, "rl_steps": 12},
+    "sft-24-8-tasks-temp-1.0-6-steps": {**UNGROUNDED, **ONE_ROUND, **SEEN, "sft_per_world": 24, "rl_tasks_per_step": 8, "rl_temperature": 1.0, "rl_steps": 6},
+    "sft-24-8-tasks-temp-1.0-12-steps": {**UNGROUNDED, **ONE_ROUND, **SEEN, "sft_per_world": 24, "rl_tasks_per_step": 8, "rl_temperature": 1.0, "rl_steps": 12},
     # The same 32 rows per step as 8 tasks x K = 4, spent on more rollouts per task at T = 0.5: a
     # near-deterministic policy more often samples one differing trajectory in 8 than in 4.
-    "sft-24-k-8-6-steps": {**ONE_ROUND, **SEEN, "sft_per_world": 24, "rl_tasks_per_step": 4, "rl_k": 8, "rl_steps": 6},
+    "sft-24-k-8-6-steps": {**UNGROUNDED, **ONE_ROUND, **SEEN, "sft_per_world": 24, "rl_tasks_per_step": 4, "rl_k": 8, "rl_steps": 6},
     # The control: the 8 x 4 row's GRPO against the real worlds (no rehearsal), so that a row that does
     # not learn says whether rehearsal or the GRPO stage itself is what fails.
-    "sft-24-8-tasks-real-6-steps": {**ONE_ROUND, **SEEN, "sft_per_world": 24, "rl_tasks_per_step": 8, "rl_real_fraction": 1.0, "rl_steps": 6},
+    "sft-24-8-tasks-real-6-steps": {**UNGROUNDED, **ONE_ROUND, **SEEN, "sft_per_world": 24, "rl_tasks_per_step": 8, "rl_real_fraction": 1.0, "rl_steps": 6},
     # GRPO on training tasks the warm start has not seen (the default since 2026-12-04): every row
     # above drew the first 16 training tasks per world, the warm start's SFT tasks among them (10 of
     # the 16 for the demo's warm start, all 16 for the 24-per-world one).
-    "unseen-8-tasks-6-steps": {**ONE_ROUND, "sft_per_world": 24, "rl_tasks_per_step": 8, "rl_steps": 6},
-    "unseen-8-tasks-12-steps": {**ONE_ROUND, "sft_per_world": 24, "rl_tasks_per_step": 8, "rl_steps": 12},
-    "unseen-8-tasks-real-6-steps": {**ONE_ROUND, "sft_per_world": 24, "rl_tasks_per_step": 8, "rl_real_fraction": 1.0, "rl_steps": 6},
+    "unseen-8-tasks-6-steps": {**UNGROUNDED, **ONE_ROUND, "sft_per_world": 24, "rl_tasks_per_step": 8, "rl_steps": 6},
+    "unseen-8-tasks-12-steps": {**UNGROUNDED, **ONE_ROUND, "sft_per_world": 24, "rl_tasks_per_step": 8, "rl_steps": 12},
+    "unseen-8-tasks-real-6-steps": {**UNGROUNDED, **ONE_ROUND, "sft_per_world": 24, "rl_tasks_per_step": 8, "rl_real_fraction": 1.0, "rl_steps": 6},
     # DAPO's dynamic sampling: up to 3 rounds of 8 tasks per step until 8 groups carry a signal (about a
     # third of the groups did above), so that each update has 32 rows of signal rather than about 10.
-    "unseen-8-tasks-filter-6-steps": {"sft_per_world": 24, "rl_tasks_per_step": 8, "rl_filter_groups": True, "rl_steps": 6},
+    "unseen-8-tasks-filter-6-steps": {**UNGROUNDED, "sft_per_world": 24, "rl_tasks_per_step": 8, "rl_filter_groups": True, "rl_steps": 6},
     # The demo's GRPO stage as it is (filtered groups, unseen tasks), without and with the rehearser
     # grounded on the step's reference trajectories (--rehearse-sft-coef): rehearsal fidelity fell
     # during every GRPO run above, since only the task reward trains REHEARSE.
-    "current-demo": {},
+    "current-demo": {**UNGROUNDED},
     "rehearse-sft-0.5": {"rl_rehearse_sft_coef": 0.5},
 }
 

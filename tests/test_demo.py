@@ -12,6 +12,10 @@ def test_demo_config_validation():
         build(DemoConfig, {"rl_reward": "judge"})
     with pytest.raises(ConfigError, match="rl_temperature"):
         build(DemoConfig, {"rl_temperature": 0.0})  # a greedy group has no advantages
+    with pytest.raises(ConfigError, match="pass --rl-rehearse-sft-coef 0 with --rl-grounding"):
+        build(DemoConfig, {"rl_grounding": True})
+    with pytest.raises(ConfigError, match="rl_rehearse_sft_coef must be >= 0"):
+        build(DemoConfig, {"rl_rehearse_sft_coef": -1.0})
     with pytest.raises(ConfigError, match="rl_real_fraction"):
         build(DemoConfig, {"rl_real_fraction": 1.5})
     with pytest.raises(ConfigError, match="eval_sampler_dtype must be auto, f32 or bf16, got 'q8_0'"):
@@ -24,7 +28,8 @@ def test_demo_grpo_stage_takes_grounding_real_fraction_and_group_filtering_into_
     plain = train_config(build(DemoConfig, {}), tmp_path)
     assert (plain.rollout.rehearse_layout, plain.rollout.grounding, plain.real_fraction) == ("transcript", False, 0.0)
     assert plain.filter_groups and not train_config(build(DemoConfig, {"rl_filter_groups": False}), tmp_path).filter_groups
-    grounded = train_config(build(DemoConfig, {"rl_grounding": True, "rl_real_fraction": 0.5}), tmp_path)
+    assert plain.rehearse_sft_coef == 0.5 and train_config(build(DemoConfig, {"rl_rehearse_sft_coef": 0.0}), tmp_path).rehearse_sft_coef == 0.0
+    grounded = train_config(build(DemoConfig, {"rl_grounding": True, "rl_rehearse_sft_coef": 0.0, "rl_real_fraction": 0.5}), tmp_path)
     # grounding exists only in the isolated simulator prompt: the flag must bring that layout with it
     assert (grounded.rollout.rehearse_layout, grounded.rollout.grounding, grounded.real_fraction) == ("isolated", True, 0.5)
 
@@ -48,7 +53,13 @@ def test_demo_pipeline_end_to_end_on_a_tiny_model(tmp_path):
     assert paired["n"] == 5 and paired["better"] + paired["worse"] + paired["same"] == 5  # one task per world, both runs
     assert "| partial credit |" in report and (tmp_path / "training_story.png").stat().st_size > 0
     calls = summary["train"]["world_executions"]
-    assert calls["rollout"] == 0 and calls["grounding"] == 0  # rehearsal rollouts; verification depends on the calls made
+    # rehearsal rollouts; verification depends on the calls made. The rehearser is grounded on the references of the
+    # tasks whose groups the update took (a call each, and the replay that verifies it), none if the filter kept none.
+    import json
+    from pathlib import Path
+
+    [step] = [json.loads(line) for line in (Path(summary["train"]["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert calls["rollout"] == 0 and (calls["grounding"] >= 2) == (step["filter/groups_kept"] > 0)
     assert summary["train"]["chain_world_executions"]["sft_data"] > 0  # and so is the warm start's data
     assert (tmp_path / "report.html").read_text().count("<table>") >= 2
     assert summary["stages"]["SFT + rehearsal GRPO, rehearse mode"]["overall"]["real_env_calls"] == 0
