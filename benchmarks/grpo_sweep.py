@@ -249,9 +249,10 @@ def table(results: dict, rows: list[str]) -> str:
         curve = ", ".join(f"{c['reward/mean']:.2f}" for c in results[f"curve-{row}"])
         malformed = ", ".join(f"{c['malformed']:.0f}" for c in results[f"curve-{row}"])
         fidelity = ", ".join("-" if c.get("fidelity/exact") is None else f"{c['fidelity/exact']:.2f}" for c in results[f"curve-{row}"])
-        test_fidelity = " -> ".join(f"{o['fidelity/exact']:.2f} / {o['fidelity/field_f1']:.2f}" for o in
-                                    (overall(f"eval-rehearse-{n}") for n in (results[f"warm-of-{row}"], row) if f"eval-rehearse-{n}" in results)
-                                    if "fidelity/exact" in o) or "-"
+        # "-" for a side not evaluated in rehearse mode, so that a lone figure is never read as the row's
+        measured = [overall(f"eval-rehearse-{n}") if f"eval-rehearse-{n}" in results else {} for n in (results[f"warm-of-{row}"], row)]
+        sides = [f"{o['fidelity/exact']:.2f} / {o['fidelity/field_f1']:.2f}" if "fidelity/exact" in o else "-" for o in measured]
+        test_fidelity = "-" if sides == ["-", "-"] else " -> ".join(sides)
         changed = ", ".join(f"{k}={v}" for k, v in ROWS[row].items()) or "(the demo's settings)"
         lines.append(f"| {row} | {changed} | {warm['success_rate']:.3f} / {warm['partial_credit']:.3f} | {after['success_rate']:.3f} / {after['partial_credit']:.3f} | "
                      f"{paired(cmp['success'])} | {paired(cmp['partial_credit'])} | {curve} | {malformed} | {fidelity} | {test_fidelity} | {results[f'train-{row}']['seconds']:.0f} |")

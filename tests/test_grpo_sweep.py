@@ -69,6 +69,8 @@ def test_the_table_shows_rehearsal_fidelity_per_step_and_on_the_test_tasks_where
     row = grpo_sweep.table(results, ["current-demo"]).splitlines()[2]
     assert "| 0.50, - | - | 300 |" in row  # no rehearse-mode evaluation: no test-task fidelity
     results["eval-rehearse-warm"] = {"result": {"overall": overall | {"fidelity/exact": 0.25, "fidelity/field_f1": 0.5}}}
+    row = grpo_sweep.table(results, ["current-demo"]).splitlines()[2]
+    assert "| 0.50, - | 0.25 / 0.50 -> - | 300 |" in row  # the row itself not evaluated in rehearse mode
     results["eval-rehearse-current-demo"] = {"result": {"overall": overall | {"fidelity/exact": 0.375, "fidelity/field_f1": 0.625}}}
     row = grpo_sweep.table(results, ["current-demo"]).splitlines()[2]
     assert "| 0.50, - | 0.25 / 0.50 -> 0.38 / 0.62 | 300 |" in row
