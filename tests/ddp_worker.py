@@ -25,8 +25,9 @@ def varied_on_rank_0(task, traj, ctx):
     return varied(task, traj, ctx) if torch.distributed.get_rank() == 0 else (0.0, {})
 
 
-def main(kind: str, tasks: str, out: str, sharding: str = "none", steps: str = "2", lora_r: str = "0", reward: str = "tests.ddp_worker:varied") -> None:
-    """`sharding` (none = DDP, fsdp2); `steps`, `lora_r` and `reward` apply to GRPO, where a run
+def main(kind: str, tasks: str, out: str, sharding: str = "none", steps: str = "2", lora_r: str = "0", reward: str = "tests.ddp_worker:varied",
+         rehearse_sft_coef: str = "0") -> None:
+    """`sharding` (none = DDP, fsdp2); `steps`, `lora_r`, `reward` and `rehearse_sft_coef` apply to GRPO, where a run
     directory that holds checkpoints is resumed. GRPO also prints how many parameter elements this rank holds."""
     if kind == "sft":
         # fp32: the test compares weights at 1e-4, and bf16 rounding depends on how rows split into micro-batches.
@@ -37,7 +38,7 @@ def main(kind: str, tasks: str, out: str, sharding: str = "none", steps: str = "
     # fp32 here too: the tests compare weights at 1e-5, and under bf16 autocast (where the CPU has
     # it) ZeRO-3 LoRA ended 1.4e-5 from DDP LoRA after 2 steps, on this code and the code before it.
     cfg = build(TrainConfig, dict(tiny=True, tasks=tasks, steps=int(steps), precision="fp32", sharding=sharding, lora_r=int(lora_r), resume=resume, tasks_per_step=2, k=4, max_turns=2, max_turn_tokens=12, max_rehearse_tokens=8,
-                                  max_total_tokens=400, reward=reward, progress=False, tensorboard=False, lr=1e-3, output_dir=out))
+                                  max_total_tokens=400, reward=reward, rehearse_sft_coef=float(rehearse_sft_coef), progress=False, tensorboard=False, lr=1e-3, output_dir=out))
     trainer = Trainer(cfg)
     trainer.fit()
     model = trainer._full_models()["policy"]  # the gathered copy when sharded

@@ -412,6 +412,36 @@ def test_a_process_whose_rows_all_have_advantage_0_still_joins_the_update(tmp_pa
     assert all(m["policy/skipped_update"] == 0.0 for m in metrics)  # process 0's rows did carry a signal
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", ["none", "fsdp2"])
+def test_two_process_grounding_reaches_the_weights_of_one_process(tmp_path, sharding):
+    """--rehearse-sft-coef on 2 processes: each grounds on the references of its own share of the
+    step's tasks, and the NLL is a token mean over both processes' tool-response tokens. With a
+    constant reward no group carries a signal, so the update is the grounding term alone and does
+    not depend on what was sampled: 2 steps must land on the weights of one process that grounds
+    on all the tasks itself. The tasks' references make 1 to 4 calls, so the processes hold
+    different numbers of tool-response tokens and a per-process mean would not."""
+    path = tmp_path / "uneven.jsonl"
+    tasks = [dataclasses.replace(counter_task(n), reference_calls=[{"name": "add", "arguments": {"n": 1}}] * n) for n in (1, 2, 3, 4)]
+    for i, t in enumerate(tasks):
+        t.id = f"counter-{i}"
+        t.metadata["reference_answer"] = f"The counter is {i + 1}."
+    save_tasks(tasks, path)
+    args = ("grpo", str(path))
+    settings = ("2", "0", "tests.training_rewards:constant", "0.5")
+    one = rank_lines(distributed(1, *args, str(tmp_path / "one"), "none", *settings))
+    two = rank_lines(distributed(2, *args, str(tmp_path / "two"), sharding, *settings))
+    assert two["0"][0] == two["1"][0]
+    a, b = final_weights(tmp_path / "two"), final_weights(tmp_path / "one")
+    assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in b) < 1e-5
+    metrics = {run: [json.loads(line) for line in open(tmp_path / run / "metrics.jsonl")] for run in ("one", "two")}
+    for m_one, m_two in zip(metrics["one"], metrics["two"], strict=True):
+        assert m_two["policy/grounding_tokens"] == m_one["policy/grounding_tokens"] > 0
+        assert m_two["policy/grounding_nll"] == pytest.approx(m_one["policy/grounding_nll"], rel=1e-5)
+        assert m_two["env/grounding_step"] == m_one["env/grounding_step"] > 0
+        assert m_two["policy/skipped_update"] == m_one["policy/skipped_update"] == 0.0  # grounding alone moved the weights
+
+
 def rank_lines(out: str) -> dict[str, list[str]]:
     """ddp_worker's `rank R checksum C held H of T` reports, by rank: [C, H, T]. Found anywhere in
     the output: both processes write to one pipe, so a report may follow the other's unfinished line."""
