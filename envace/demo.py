@@ -23,6 +23,13 @@ from envace.config import ConfigError, build, field
 from envace.evaluation.report import markdown_table, pooled_success
 
 BASE, SFT, TRAINED = "base", "SFT", "SFT + rehearsal GRPO"
+# How each rollout mode's GRPO stage reads in the report (rl_variant's mode: who answers the tools).
+MODE_TEXT = {"rehearse": "in rehearse mode", "real": "against the real worlds", "simulator": "answered by a frozen simulator model"}
+
+
+def trained_label(variant: str) -> str:
+    """The report's row of the model the GRPO stage trained: the demo's own, or a baseline variant's."""
+    return TRAINED if variant == "envace" else f"SFT + GRPO ({variant})"
 EVAL_SAMPLER_DTYPES = ("auto", "f32", "bf16")  # a greedy evaluation's numerics (int8 is a speed setting, f16/q8_0 llama.cpp's)
 
 
@@ -37,6 +44,8 @@ class DemoConfig:
     sft_epochs: int = field(2, help="SFT epochs (2: twice the success and an eighth of the malformed outputs of 1, measured in benchmarks/grpo_sweep.py)")
     sft_lr: float = field(2e-4, help="SFT learning rate")
     sft_rows_per_step: int = field(2, help="trajectories per SFT step (fewer: more updates for the same compute)")
+    rl_variant: str = field("envace", help="the GRPO stage's training variant (`envace train --variant`; the baselines for "
+                                           "benchmarks/variants_experiment.py). The demo trains envace")
     rl_steps: int = field(3, help="GRPO steps with world rehearsal")
     rl_tasks_per_step: int = field(3, help="tasks per GRPO step")
     rl_k: int = field(4, help="rollouts per task")
@@ -75,6 +84,7 @@ class DemoConfig:
             raise ConfigError(f"rl_real_fraction must be in [0, 1], got {self.rl_real_fraction}")
         if self.rl_rehearse_sft_coef < 0:
             raise ConfigError(f"rl_rehearse_sft_coef must be >= 0 (0 = off), got {self.rl_rehearse_sft_coef}")
+        self._validate_variant()
         if self.rl_grounding and self.rl_rehearse_sft_coef:
             raise ConfigError("rl_grounding rehearses from the isolated simulator prompt, and rl_rehearse_sft_coef (on by default) trains "
                               "tool responses in the agent's transcript: pass --rl-rehearse-sft-coef 0 with --rl-grounding")
@@ -84,6 +94,23 @@ class DemoConfig:
             raise ConfigError(f"eval_sampler_dtype must be auto, f32 or bf16, got {self.eval_sampler_dtype!r}")
         if self.difficulty not in (1, 2, 3):
             raise ConfigError(f"difficulty must be 1, 2 or 3, got {self.difficulty}")
+
+    def _validate_variant(self) -> None:
+        """The GRPO stage's settings that only some variants read, named by the demo's own flags
+        (the train config would name `envace train`'s)."""
+        from envace.training.variants import VARIANTS
+        from envace.types import Role
+
+        if self.rl_variant not in VARIANTS:
+            raise ConfigError(f"unknown rl_variant {self.rl_variant!r}; known: {', '.join(VARIANTS.names())}")
+        variant = VARIANTS.get(self.rl_variant)
+        if self.rl_rehearse_sft_coef and Role.REHEARSE not in variant.trained_roles.get("policy", ()):
+            raise ConfigError(f"--rl-variant {self.rl_variant} does not train the policy's REHEARSE role, which --rl-rehearse-sft-coef "
+                              f"grounds (on by default): pass --rl-rehearse-sft-coef 0 with --rl-variant {self.rl_variant}")
+        if self.rl_real_fraction and not variant.allows_real_fraction:
+            raise ConfigError(f"rl_real_fraction mixes real-world rollouts into rehearsed ones; --rl-variant {self.rl_variant} does not rehearse")
+        if self.rl_grounding and variant.rollout_mode != "rehearse":
+            raise ConfigError(f"rl_grounding grounds the rehearser's prompt; --rl-variant {self.rl_variant} does not rehearse")
 
 
 def evaluate_model(model: str, cfg: DemoConfig, mode: str, out: Path, max_active: int | None = None) -> dict[str, Any]:
@@ -157,16 +184,19 @@ def sft_config(cfg: DemoConfig, output_dir: Path) -> Any:
 
 
 def train_config(cfg: DemoConfig, output_dir: Path, init_from: str | None = None) -> Any:
-    """The demo's GRPO stage: the envace variant (rehearse mode, both roles trained)."""
+    """The demo's GRPO stage: rl_variant (envace: rehearse mode, both roles trained)."""
     from envace.training.trainer import TrainConfig
+    from envace.training.variants import VARIANTS
 
-    return build(TrainConfig, dict(model=cfg.model, init_from=init_from, variant="envace", steps=cfg.rl_steps, tasks_per_step=cfg.rl_tasks_per_step, k=cfg.rl_k,
+    # a separate rehearser (no-share) writes from the isolated prompt, as the privileged grounding does
+    isolated = cfg.rl_grounding or VARIANTS.get(cfg.rl_variant).requires_layout == "isolated"
+    return build(TrainConfig, dict(model=cfg.model, init_from=init_from, variant=cfg.rl_variant, steps=cfg.rl_steps, tasks_per_step=cfg.rl_tasks_per_step, k=cfg.rl_k,
                                    lr=cfg.rl_lr, reward=cfg.rl_reward, rehearse_sft_coef=cfg.rl_rehearse_sft_coef, real_fraction=cfg.rl_real_fraction, filter_groups=cfg.rl_filter_groups, unseen_tasks=cfg.rl_unseen_tasks, difficulty=cfg.difficulty, output_dir=str(output_dir), save_every=cfg.rl_steps,
                                    # one task group (~1.5-3k packed tokens) per micro-batch: the GRPO stage peaked at 8.9 GiB with
                                    # 4096, 5.1 GiB with this (measured, docs/training.md), for the same update
                                    micro_batch_tokens=1024, tiny=cfg.tiny, seed=cfg.seed, progress=cfg.progress,
                                    rollout=dict(max_turn_tokens=cfg.max_turn_tokens, max_rehearse_tokens=128, temperature=cfg.rl_temperature,
-                                                rehearse_layout="isolated" if cfg.rl_grounding else "transcript", grounding=cfg.rl_grounding)))
+                                                rehearse_layout="isolated" if isolated else "transcript", grounding=cfg.rl_grounding)))
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
@@ -198,9 +228,10 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     train.init_from = warm  # the warm start exists only now
     train_result = stage("train with world rehearsal (role-level GRPO)", run_train, train)
     trained = train_result["final_model"]
-    stages[TRAINED] = evaluate("trained", trained)
+    label = trained_label(cfg.rl_variant)
+    stages[label] = evaluate("trained", trained)
     if cfg.eval_rehearse:
-        stages[f"{TRAINED}, rehearse mode"] = evaluate("trained-rehearse", trained, "rehearse")
+        stages[f"{label}, rehearse mode"] = evaluate("trained-rehearse", trained, "rehearse")
     summary = {
         "stages": stages,
         "paired": compare(root / "eval-sft", root / "eval-trained"),
@@ -230,14 +261,19 @@ def report_markdown(summary: dict[str, Any], root: Path) -> str:
     from envace.backends.models import machine_line
     from envace.envs import HELDOUT_WORLDS, TRAIN_WORLDS
 
+    from envace.training.variants import VARIANTS
+
     cfg = summary["config"]
+    variant = cfg.get("rl_variant", "envace")  # a summary from before the field existed trained envace
+    label = trained_label(variant)
     grounded = f", the rehearser grounded on the reference tool responses (weight {cfg['rl_rehearse_sft_coef']})" if cfg.get("rl_rehearse_sft_coef") else ""
     lines = [
         "# envace demo report", "",
         f"Model: `{cfg['model']}`{' (tiny random model: a smoke test of the pipeline, not a result)' if cfg['tiny'] else ''}; "
         f"SFT on {cfg['sft_per_world']} tasks per training world x {cfg['sft_epochs']} epoch{'s' if cfg['sft_epochs'] > 1 else ''}, then {cfg['rl_steps']} GRPO steps "
         f"({cfg['rl_tasks_per_step']} tasks x K={cfg['rl_k']}, reward `{cfg['rl_reward']}`"
-        f"{', further rounds of rollouts until that many groups carry a signal' if cfg.get('rl_filter_groups') else ''}{grounded}) in rehearse mode. Greedy evaluation on "
+        f"{', further rounds of rollouts until that many groups carry a signal' if cfg.get('rl_filter_groups') else ''}{grounded}"
+        f"{'' if variant == 'envace' else f', variant {variant}'}) {MODE_TEXT[VARIANTS.get(variant).rollout_mode]}. Greedy evaluation on "
         f"{cfg['eval_per_world']} test tasks per world (difficulty {cfg['difficulty']}). Total wall time {summary['total_s'] / 60:.1f} min "
         f"on {machine_line(summary['machine'])}.", "",
         f"| stage | success, training worlds ({', '.join(TRAIN_WORLDS)}) | success, held-out world ({', '.join(HELDOUT_WORLDS)}) | partial credit [95% CI] | tool F1 | fidelity exact / field F1 | real env calls | malformed |",
@@ -248,16 +284,16 @@ def report_markdown(summary: dict[str, Any], root: Path) -> str:
         fid = f"{o['fidelity/exact']:.2f} / {o['fidelity/field_f1']:.2f}" if "fidelity/exact" in o else "-"
         lines.append(f"| {name} | {pooled_success(s, set(TRAIN_WORLDS))} | {pooled_success(s, set(HELDOUT_WORLDS))} | {_credit(s)} | "
                      f"{o.get('tool_f1', 0):.2f} | {fid} | {o['real_env_calls']} | {o['malformed']} |")
-    lines += ["", f"## What the GRPO steps changed: {TRAINED} minus {SFT}, task by task", "",
+    lines += ["", f"## What the GRPO steps changed: {label} minus {SFT}, task by task", "",
               "Mean per-task difference with a 95% paired bootstrap interval (10,000 resamples of the tasks), and how many tasks got better, worse or stayed.", "",
               "| metric | mean difference [95% CI] | better | worse | same | tasks |", "|---|---|---|---|---|---|",
               _paired_line("success", summary["paired"]["success"]), _paired_line("partial credit", summary["paired"]["partial_credit"])]
     calls = summary["train"]["world_executions"]
-    lines += ["", f"Real-world executions during rehearsal training: **{calls['rollout']}** while rolling out, "
+    lines += ["", f"Real-world executions during the GRPO stage: **{calls['rollout']}** while rolling out, "
               f"**{calls['verification']}** to verify (the reward re-runs ACT's committed calls on a fresh world "
               f"to score them; the policy never sees those results), {calls['grounding']} for grounding; "
               f"{summary['train']['chain_world_executions']['sft_data']} made the warm start's data.", "",
-              "## Per world after training (real world)", "", markdown_table(summary["stages"][TRAINED]), "",
+              "## Per world after training (real world)", "", markdown_table(summary["stages"][label]), "",
               "## Stages", "", "Each stage runs in a fresh process: the demo's peak memory is its largest stage's.", "",
               "| stage | seconds | peak RSS GiB |", "|---|---|---|"]
     lines += [f"| {k} | {v:.0f} | {summary['peak_rss_gib'][k]:.1f} |" for k, v in summary["timings_s"].items()]

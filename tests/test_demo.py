@@ -1,3 +1,6 @@
+import json
+from pathlib import Path
+
 import pytest
 
 from envace.backends.models import machine_line
@@ -22,6 +25,20 @@ def test_demo_config_validation():
         build(DemoConfig, {"eval_sampler_dtype": "q8_0"})  # llama.cpp's, not the evaluation's
 
 
+def test_demo_config_refuses_variant_settings_the_variant_does_not_read():
+    with pytest.raises(ConfigError, match="unknown rl_variant 'grpo'; known: act-only, envace, no-share, real-grpo, simulator"):
+        build(DemoConfig, {"rl_variant": "grpo"})
+    # grounding trains the policy's REHEARSE role: on by default, so a baseline must turn it off by name
+    with pytest.raises(ConfigError, match="pass --rl-rehearse-sft-coef 0 with --rl-variant act-only"):
+        build(DemoConfig, {"rl_variant": "act-only"})
+    with pytest.raises(ConfigError, match="--rl-variant no-share does not train the policy's REHEARSE role"):
+        build(DemoConfig, {"rl_variant": "no-share"})
+    with pytest.raises(ConfigError, match="rl_real_fraction .* --rl-variant real-grpo does not rehearse"):
+        build(DemoConfig, {"rl_variant": "real-grpo", "rl_rehearse_sft_coef": 0.0, "rl_real_fraction": 0.5})
+    with pytest.raises(ConfigError, match="rl_grounding .* --rl-variant simulator does not rehearse"):
+        build(DemoConfig, {"rl_variant": "simulator", "rl_rehearse_sft_coef": 0.0, "rl_grounding": True})
+
+
 def test_demo_grpo_stage_takes_grounding_real_fraction_and_group_filtering_into_its_train_config(tmp_path):
     from envace.demo import train_config
 
@@ -32,6 +49,11 @@ def test_demo_grpo_stage_takes_grounding_real_fraction_and_group_filtering_into_
     grounded = train_config(build(DemoConfig, {"rl_grounding": True, "rl_rehearse_sft_coef": 0.0, "rl_real_fraction": 0.5}), tmp_path)
     # grounding exists only in the isolated simulator prompt: the flag must bring that layout with it
     assert (grounded.rollout.rehearse_layout, grounded.rollout.grounding, grounded.real_fraction) == ("isolated", True, 0.5)
+    assert plain.variant == "envace"
+    for variant, layout in (("act-only", "transcript"), ("real-grpo", "transcript"), ("simulator", "transcript"), ("no-share", "isolated")):
+        baseline = train_config(build(DemoConfig, {"rl_variant": variant, "rl_rehearse_sft_coef": 0.0}), tmp_path)
+        # no-share's second model cannot share the agent's transcript cache: the variant brings its layout
+        assert (baseline.variant, baseline.rollout.rehearse_layout, baseline.rehearse_sft_coef) == (variant, layout, 0.0)
 
 
 def test_default_demo_evaluates_at_least_40_tasks_across_all_worlds():
@@ -55,9 +77,6 @@ def test_demo_pipeline_end_to_end_on_a_tiny_model(tmp_path):
     calls = summary["train"]["world_executions"]
     # rehearsal rollouts; verification depends on the calls made. The rehearser is grounded on the references of the
     # tasks whose groups the update took (a call each, and the replay that verifies it), none if the filter kept none.
-    import json
-    from pathlib import Path
-
     [step] = [json.loads(line) for line in (Path(summary["train"]["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     assert calls["rollout"] == 0 and (calls["grounding"] >= 2) == (step["filter/groups_kept"] > 0)
     assert summary["train"]["chain_world_executions"]["sft_data"] > 0  # and so is the warm start's data
@@ -66,6 +85,25 @@ def test_demo_pipeline_end_to_end_on_a_tiny_model(tmp_path):
     assert set(summary["peak_rss_gib"]) == set(summary["timings_s"]) and all(v > 0 for v in summary["peak_rss_gib"].values())
     assert "| stage | seconds | peak RSS GiB |" in report
     assert f"min on {machine_line(summary['machine'])}." in report  # the wall time names the machine it was measured on
+
+
+@pytest.mark.slow
+def test_demo_pipeline_with_a_baseline_variant_names_it_and_counts_its_world_runs(tmp_path):
+    """--rl-variant real-grpo (the GRPO baseline against the real worlds): the report names the
+    variant and its mode rather than calling it rehearsal, and reports the world executions its run counted."""
+    cfg = build(DemoConfig, dict(tiny=True, output_dir=str(tmp_path), eval_per_world=1, sft_per_world=2, sft_epochs=1, rl_variant="real-grpo",
+                                 rl_rehearse_sft_coef=0.0, rl_filter_groups=False, rl_steps=1, rl_tasks_per_step=1, rl_k=2, max_turn_tokens=16,
+                                 progress=False))
+    summary = run_demo(cfg)
+    assert list(summary["stages"]) == ["SFT", "SFT + GRPO (real-grpo)"]
+    report = (tmp_path / "report.md").read_text()
+    assert ", variant real-grpo) against the real worlds." in report and "rehearsal GRPO" not in report
+    assert "## What the GRPO steps changed: SFT + GRPO (real-grpo) minus SFT, task by task" in report
+    calls = summary["train"]["world_executions"]
+    assert calls["grounding"] == 0
+    # the rollouts' executions as the run counted them (the tiny model's calls are mostly malformed: often 0)
+    run = [json.loads(line) for line in (Path(summary["train"]["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert calls["rollout"] == run[-1]["env/rollout_total"]
 
 
 def test_each_demo_stage_runs_in_a_fresh_process_and_reports_its_peak_memory():
