@@ -160,8 +160,9 @@ def stage(results: dict, path: Path, name: str, fn) -> dict:
 
 def training_curve(run_dir: str) -> list[dict]:
     """Per step: the rollouts' mean reward, success, partial credit, malformed outputs and rehearsal
-    fidelity (rehearse mode), and the grounding loss where --rehearse-sft-coef trained one."""
-    keys = ("reward/mean", "success_rate", "partial_credit", "malformed", "fidelity/exact", "fidelity/field_f1", "policy/grounding_nll")
+    fidelity (rehearse mode), the grounding loss where --rehearse-sft-coef trained one, and the
+    real-world executions the run had made so far (every purpose)."""
+    keys = ("reward/mean", "success_rate", "partial_credit", "malformed", "fidelity/exact", "fidelity/field_f1", "policy/grounding_nll", "env/total_total")
     return [{k: m.get(k) for k in ("step", *keys)} for m in map(json.loads, Path(run_dir, "metrics.jsonl").read_text().splitlines())]
 
 
@@ -231,7 +232,8 @@ def fidelity_plot(results: dict, rows: list[str], path: Path) -> Path | None:
     return path
 
 
-def table(results: dict, rows: list[str]) -> str:
+def table(results: dict, rows: list[str], defs: dict[str, dict] = ROWS) -> str:
+    """The sweep's table: per row of `rows` (its settings in `defs`) that has finished."""
     def overall(name: str) -> dict:
         return results[name]["result"]["overall"]
 
@@ -253,10 +255,73 @@ def table(results: dict, rows: list[str]) -> str:
         measured = [overall(f"eval-rehearse-{n}") if f"eval-rehearse-{n}" in results else {} for n in (results[f"warm-of-{row}"], row)]
         sides = [f"{o['fidelity/exact']:.2f} / {o['fidelity/field_f1']:.2f}" if "fidelity/exact" in o else "-" for o in measured]
         test_fidelity = "-" if sides == ["-", "-"] else " -> ".join(sides)
-        changed = ", ".join(f"{k}={v}" for k, v in ROWS[row].items()) or "(the demo's settings)"
+        changed = ", ".join(f"{k}={v}" for k, v in defs[row].items()) or "(the demo's settings)"
         lines.append(f"| {row} | {changed} | {warm['success_rate']:.3f} / {warm['partial_credit']:.3f} | {after['success_rate']:.3f} / {after['partial_credit']:.3f} | "
                      f"{paired(cmp['success'])} | {paired(cmp['partial_credit'])} | {curve} | {malformed} | {fidelity} | {test_fidelity} | {results[f'train-{row}']['seconds']:.0f} |")
     return "\n".join(lines) + "\n"
+
+
+# Settings of a whole sweep (one per --out), with what a results.json from before each existed used.
+SETTINGS = {"seed": 0, "eval_per_world": DemoConfig().eval_per_world, "eval_sampler_dtype": "auto"}
+
+
+def run(out: Path, rows: list[str], settings: dict, defs: dict[str, dict] = ROWS, warm: str | None = None, eval_rehearse: bool = False,
+        trained: str | None = None, save_every: int | None = None) -> dict:
+    """Train and evaluate `rows` (their DemoConfig changes in `defs`) under the sweep's `settings`
+    (SETTINGS' keys) in `out`, keeping every finished stage in out/results.json; returns it.
+    warm: an existing warm start instead of training one; eval_rehearse: also evaluate in
+    rehearse mode; trained: take another sweep's trained stages; save_every: checkpoint each GRPO
+    run every N steps, so that a run interrupted mid-way resumes from its last checkpoint (by
+    default a run saves once, at its end)."""
+    if unknown := [r for r in rows if r not in defs]:
+        raise SystemExit(f"unknown rows {unknown}: choose from {list(defs)}")
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "results.json"
+    results = json.loads(path.read_text()) if path.exists() else dict(settings)
+    for key, default in SETTINGS.items():
+        if results.get(key, default) != settings[key]:
+            raise SystemExit(f"{out} holds a sweep with {key} {results.get(key, default)}: pass that --{key.replace('_', '-')} or another --out")
+    if trained:
+        take_trained(results, Path(trained))
+    base = DemoConfig(output_dir=str(out), progress=False, **settings)
+    base.validate()
+    configs = {row: dataclasses.replace(base, **defs[row]) for row in rows}
+    for cfg in configs.values():
+        cfg.validate()  # every row fails here, before any model loads
+    check_continued(rows, base, results)
+    needed = sorted({warm_name(cfg) for cfg in configs.values()})
+    if warm and len(needed) > 1:
+        raise SystemExit(f"--warm is one warm start, but these rows need different ones: {needed}")
+    warm_starts: dict[str, str] = {}
+    for row, cfg in configs.items():
+        name = warm_name(cfg)
+        if name not in warm_starts:
+            sft_stage = "sft" if name == "warm" else f"sft-{name}"
+            warm_starts[name] = warm or stage(results, path, sft_stage, (run_sft, sft_config(cfg, out / sft_stage)))["result"]["final_model"]
+            stage(results, path, f"eval-{name}", (evaluate_model, warm_starts[name], cfg, "real", out / f"eval-{name}"))
+            if eval_rehearse:
+                stage(results, path, f"eval-rehearse-{name}", (evaluate_model, warm_starts[name], cfg, "rehearse", out / f"eval-rehearse-{name}"))
+        run_dir = out / f"train-{row}"
+        train = train_config(cfg, run_dir, init_from=warm_starts[name])
+        if save_every:
+            train.save_every = save_every
+        if (parent := CONTINUES.get(row)) and f"train-{row}" not in results:
+            start_as_copy(Path(results[f"train-{parent}"]["result"]["run_dir"]), run_dir)
+        # a run that has checkpoints (interrupted, or a continued row's copy) goes on from the last one
+        train.resume = latest_checkpoint(run_dir) is not None
+        trained_row = stage(results, path, f"train-{row}", (run_train, train))["result"]
+        stage(results, path, f"eval-{row}", (evaluate_model, trained_row["final_model"], cfg, "real", out / f"eval-{row}"))
+        if eval_rehearse:
+            stage(results, path, f"eval-rehearse-{row}", (evaluate_model, trained_row["final_model"], cfg, "rehearse", out / f"eval-rehearse-{row}"))
+        results[f"warm-of-{row}"] = name
+        results[f"compare-{row}"] = compare(out / f"eval-{name}", out / f"eval-{row}")
+        results[f"curve-{row}"] = training_curve(trained_row["run_dir"])
+        path.write_text(json.dumps(results, indent=2, default=str))
+        (out / "results.md").write_text(table(results, rows, defs))
+        steps_plot(results, rows, out / "steps.png")
+        fidelity_plot(results, rows, out / "fidelity.png")
+        print(table(results, rows, defs), flush=True)
+    return results
 
 
 def main() -> None:
@@ -265,64 +330,23 @@ def main() -> None:
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated rows of {list(ROWS)}")
     p.add_argument("--warm", default=None, help="an existing warm start trained with the rows' SFT settings (e.g. runs/demo/sft/final for "
                    "the demo's) instead of training it; every row must share those settings")
+    add_settings(p)
+    p.add_argument("--trained", default=None, help="another sweep's --out (same seed): its finished warm starts and GRPO runs are this "
+                   "sweep's, evaluated here rather than retrained (e.g. with a larger --eval-per-world)")
+    args = p.parse_args()
+    run(Path(args.out), args.rows.split(","), {key: getattr(args, key) for key in SETTINGS}, warm=args.warm, eval_rehearse=args.eval_rehearse,
+        trained=args.trained)
+
+
+def add_settings(p: argparse.ArgumentParser, eval_per_world: int = DemoConfig().eval_per_world) -> None:
+    """The options every sweep over the demo's GRPO stage takes (this one, benchmarks/variants_experiment.py)."""
     p.add_argument("--seed", type=int, default=0, help="every stage's seed (SFT, GRPO sampling and tasks, the test tasks); one per --out")
-    p.add_argument("--eval-per-world", type=int, default=DemoConfig().eval_per_world,
+    p.add_argument("--eval-per-world", type=int, default=eval_per_world,
                    help="test tasks per world (5 worlds); one per --out. 8 (the demo's): a task moves success by 0.025")
     p.add_argument("--eval-sampler-dtype", default=DemoConfig().eval_sampler_dtype, choices=EVAL_SAMPLER_DTYPES,
                    help="numerics of the evaluations; one per --out (benchmarks/eval_noise.py: how far each moves a score by batch width alone)")
     p.add_argument("--eval-rehearse", action="store_true", help="also evaluate each warm start and row in rehearse mode on the same test "
                    "tasks: the rehearser's fidelity on tasks no stage trained on (rerun with it to add these to a finished sweep)")
-    p.add_argument("--trained", default=None, help="another sweep's --out (same seed): its finished warm starts and GRPO runs are this "
-                   "sweep's, evaluated here rather than retrained (e.g. with a larger --eval-per-world)")
-    args = p.parse_args()
-    rows = args.rows.split(",")
-    if unknown := [r for r in rows if r not in ROWS]:
-        raise SystemExit(f"unknown rows {unknown}: choose from {list(ROWS)}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "results.json"
-    # Settings of the whole sweep, with what a results.json from before each existed used.
-    settings = {"seed": 0, "eval_per_world": DemoConfig().eval_per_world, "eval_sampler_dtype": "auto"}
-    results = json.loads(path.read_text()) if path.exists() else {key: getattr(args, key) for key in settings}
-    for key, default in settings.items():
-        if results.get(key, default) != getattr(args, key):
-            raise SystemExit(f"{out} holds a sweep with {key} {results.get(key, default)}: pass that --{key.replace('_', '-')} or another --out")
-    if args.trained:
-        take_trained(results, Path(args.trained))
-    base = DemoConfig(output_dir=str(out), progress=False, **{key: getattr(args, key) for key in settings})
-    base.validate()
-    configs = {row: dataclasses.replace(base, **ROWS[row]) for row in rows}
-    for cfg in configs.values():
-        cfg.validate()  # every row fails here, before any model loads
-    check_continued(rows, base, results)
-    needed = sorted({warm_name(cfg) for cfg in configs.values()})
-    if args.warm and len(needed) > 1:
-        raise SystemExit(f"--warm is one warm start, but these rows need different ones: {needed}")
-    warm_starts: dict[str, str] = {}
-    for row, cfg in configs.items():
-        name = warm_name(cfg)
-        if name not in warm_starts:
-            sft_stage = "sft" if name == "warm" else f"sft-{name}"
-            warm_starts[name] = args.warm or stage(results, path, sft_stage, (run_sft, sft_config(cfg, out / sft_stage)))["result"]["final_model"]
-            stage(results, path, f"eval-{name}", (evaluate_model, warm_starts[name], cfg, "real", out / f"eval-{name}"))
-            if args.eval_rehearse:
-                stage(results, path, f"eval-rehearse-{name}", (evaluate_model, warm_starts[name], cfg, "rehearse", out / f"eval-rehearse-{name}"))
-        train = train_config(cfg, out / f"train-{row}", init_from=warm_starts[name])
-        if (parent := CONTINUES.get(row)) and f"train-{row}" not in results:
-            start_as_copy(Path(results[f"train-{parent}"]["result"]["run_dir"]), out / f"train-{row}")
-            train.resume = True
-        trained = stage(results, path, f"train-{row}", (run_train, train))["result"]
-        stage(results, path, f"eval-{row}", (evaluate_model, trained["final_model"], cfg, "real", out / f"eval-{row}"))
-        if args.eval_rehearse:
-            stage(results, path, f"eval-rehearse-{row}", (evaluate_model, trained["final_model"], cfg, "rehearse", out / f"eval-rehearse-{row}"))
-        results[f"warm-of-{row}"] = name
-        results[f"compare-{row}"] = compare(out / f"eval-{name}", out / f"eval-{row}")
-        results[f"curve-{row}"] = training_curve(trained["run_dir"])
-        path.write_text(json.dumps(results, indent=2, default=str))
-        (out / "results.md").write_text(table(results, rows))
-        steps_plot(results, rows, out / "steps.png")
-        fidelity_plot(results, rows, out / "fidelity.png")
-        print(table(results, rows), flush=True)
 
 
 if __name__ == "__main__":

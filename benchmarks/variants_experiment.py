@@ -1,13 +1,28 @@
-"""The CPU experiment: every training variant from one shared SFT warm start, same seeds, then
-evaluation on held-out tasks (test split of the training worlds, and the held-out world).
+"""The CPU experiment (issue #13): every training variant from one shared warm start with the
+demo's GRPO recipe, same seeds, each evaluated greedily on the same test tasks (the training
+worlds' test split and the held-out world) and compared task by task with the warm start.
 
-    python benchmarks/variants_experiment.py --config configs/cpu-experiment.yaml --out runs/experiment
+    python benchmarks/variants_experiment.py --out runs/experiment                  # every row, 120 test tasks
+    python benchmarks/variants_experiment.py --out runs/experiment --warm runs/demo/sft/final --rows envace,act-only
 
-Writes runs/experiment/results.md (the table quoted in docs/training.md) and results.json; rerun
-the same command to continue after an interruption (finished rows are kept, a variant resumes from
-its last checkpoint). Rows: the untrained model, the SFT warm start, then one per variant.
-Variants: envace (shared weights, rehearse, both roles trained), act-only, real-grpo (real world),
-simulator (frozen base model answers tools), no-share (separate ACT and REHEARSE models).
+Rerun the same command to continue after an interruption: finished stages are kept in
+results.json, and a GRPO run resumes from its last checkpoint (saved every --save-every steps).
+
+Rows (each the demo's GRPO stage, `envace demo`'s settings, with the one change named):
+  envace             the demo's own: shared weights, rehearse mode, ACT and REHEARSE trained, the
+                     rehearser grounded on the reference tool responses (--rehearse-sft-coef)
+  envace-ungrounded  the same, REHEARSE trained by the task reward alone
+  act-only           rehearse mode, only ACT trained
+  real-grpo          the real worlds answer the rollouts' calls (GRPO against the environment)
+  simulator          the frozen base model answers the calls
+  no-share           a second trained model rehearses (ACT and REHEARSE in separate weights)
+The baselines' policies train no REHEARSE role in the agent's transcript, so they have nothing
+to ground. The staging (warm start, evaluations, paired comparisons) is benchmarks/grpo_sweep.py's.
+
+Writes results.json, results.md (success with 95% CIs per world group, partial credit, the paired
+comparison with the warm start, real-world executions by purpose, wall time; then the sweep's
+per-step table) and curves.png (rollout reward per step, and against the real-world executions
+spent: the cost axis).
 """
 
 from __future__ import annotations
@@ -16,94 +31,108 @@ import argparse
 import json
 import shlex
 import sys
-import time
 from pathlib import Path
 
-import yaml
+from benchmarks import grpo_sweep
+from envace.demo import DemoConfig, evaluate_model
 
-from envace.config import build
-from envace.evaluation.runner import EvalConfig, run_eval
-from envace.training.sft import SFTConfig, run_sft
-from envace.training.trainer import TrainConfig, run_train
-from envace.training.variants import VARIANTS
-
-# The table's row order (the registry sorts by name).
-ROWS = ("envace", "act-only", "real-grpo", "simulator", "no-share")
-
-
-def variant_options(name: str) -> dict[str, str]:
-    """What a variant needs beyond the preset: the layout it requires, if any."""
-    layout = VARIANTS.get(name).requires_layout
-    return {"rehearse_layout": layout} if layout else {}
+UNGROUNDED = {"rl_rehearse_sft_coef": 0.0}
+VARIANT_ROWS: dict[str, dict] = {
+    "envace": {},
+    "envace-ungrounded": UNGROUNDED,
+    "act-only": {"rl_variant": "act-only", **UNGROUNDED},
+    "real-grpo": {"rl_variant": "real-grpo", **UNGROUNDED},
+    "simulator": {"rl_variant": "simulator", **UNGROUNDED},
+    "no-share": {"rl_variant": "no-share", **UNGROUNDED},
+}
+PURPOSES = ("rollout", "verification", "grounding")  # what a GRPO run executes in the real worlds (accounting.WorldExecutions)
 
 
-def evaluate(model: str, out: Path, args: argparse.Namespace) -> dict[str, dict]:
-    """Greedy, on the test split: the training worlds' test tasks and the held-out world's."""
-    cfg = build(EvalConfig, dict(model=model, split="test", n_per_world=args.eval_per_world, difficulty=1, temperature=0.0,
-                                 max_turns=6, max_turn_tokens=96, output_dir=str(out / "eval-test"), progress=False))
-    return {"test": run_eval(cfg)["overall"]}
+def experiment_rows(steps: int) -> dict[str, dict]:
+    """The rows' DemoConfig changes, each trained for `steps` GRPO steps."""
+    return {name: {**change, "rl_steps": steps} for name, change in VARIANT_ROWS.items()}
+
+
+def summary_table(results: dict, rows: list[str]) -> str:
+    """One line per model: the untrained one, the warm start, and each finished row."""
+    from envace.envs import HELDOUT_WORLDS, TRAIN_WORLDS
+    from envace.evaluation.report import pooled_success
+
+    def paired(p: dict) -> str:
+        return f"{p['mean_diff']:+.3f} [{p['ci95'][0]:+.3f}, {p['ci95'][1]:+.3f}] ({p['better']}/{p['worse']})"
+
+    lines = [f"| row | success, training worlds ({', '.join(TRAIN_WORLDS)}) [95% CI] | success, held-out world ({', '.join(HELDOUT_WORLDS)}) [95% CI] "
+             "| partial credit | success vs warm start [95% CI] (better/worse) | partial credit vs warm start "
+             f"| real-world executions in training ({' / '.join(PURPOSES)}) | train min |",
+             "|---|---|---|---|---|---|---|---|"]
+    models = [("base (untrained)", "eval-base", None), ("warm start (SFT)", "eval-warm", None)]
+    models += [(row, f"eval-{row}", row) for row in rows if f"compare-{row}" in results]
+    for label, stage, row in models:
+        if stage not in results:
+            continue
+        ev = results[stage]["result"]
+        if row is None:
+            versus, calls, minutes = "", "", ""
+            if stage == "eval-warm" and "sft" in results:
+                calls = f"{results['sft']['result']['world_executions']['total']} (its SFT data)"
+        else:
+            cmp, train = results[f"compare-{row}"], results[f"train-{row}"]
+            versus = f"{paired(cmp['success'])} | {paired(cmp['partial_credit'])}"
+            calls = " / ".join(str(train["result"]["world_executions"][p]) for p in PURPOSES)
+            minutes = f"{train['seconds'] / 60:.1f}"
+        lines.append(f"| {label} | {pooled_success(ev, set(TRAIN_WORLDS))} | {pooled_success(ev, set(HELDOUT_WORLDS))} | "
+                     f"{ev['overall']['partial_credit']:.3f} | {versus or ' | '} | {calls} | {minutes} |")
+    return "\n".join(lines) + "\n"
+
+
+def curves_plot(results: dict, rows: list[str], path: Path) -> Path | None:
+    """Per finished row: the rollouts' mean reward per GRPO step, against the step and against the
+    real-world executions the run had spent by then (rollouts, verification and grounding)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    curves = {row: results[f"curve-{row}"] for row in rows if f"curve-{row}" in results}
+    if not curves:
+        return None
+    fig = Figure(figsize=(10, 4))
+    by_step, by_cost = fig.subplots(1, 2)
+    for row, curve in curves.items():
+        reward = [c["reward/mean"] for c in curve]
+        by_step.plot([c["step"] for c in curve], reward, marker="o", label=row)
+        by_cost.plot([c.get("env/total_total", 0) for c in curve], reward, marker="o", label=row)
+    by_step.set(xlabel="GRPO step", ylabel="rollout reward (partial credit)", title="reward per step")
+    by_cost.set(xlabel="real-world executions spent in training", ylabel="rollout reward (partial credit)", title="reward per real-world cost")
+    for ax in (by_step, by_cost):
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    FigureCanvasAgg(fig).print_png(str(path))
+    return path
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="configs/cpu-experiment.yaml")
     p.add_argument("--out", default="runs/experiment")
-    p.add_argument("--variants", nargs="+", default=list(ROWS), choices=VARIANTS.names())
-    p.add_argument("--sft-per-world", type=int, default=8)
-    p.add_argument("--eval-per-world", type=int, default=2)
-    p.add_argument("--steps", type=int, default=None, help="override the preset's steps")
-    p.add_argument("--sft-from", default=None, help="reuse this SFT model directory (e.g. runs/demo/sft/final) instead of training one")
+    p.add_argument("--rows", default=",".join(VARIANT_ROWS), help=f"comma-separated rows of {list(VARIANT_ROWS)}")
+    p.add_argument("--warm", default=None, help="an existing warm start trained with the demo's SFT settings (e.g. runs/demo/sft/final) "
+                   "instead of training it")
+    p.add_argument("--steps", type=int, default=6, help="GRPO steps per row (the demo's rl_tasks_per_step tasks x rl_k rollouts each)")
+    p.add_argument("--save-every", type=int, default=2, help="checkpoint each GRPO run every N steps: an interrupted run resumes from there")
+    grpo_sweep.add_settings(p, eval_per_world=24)
     args = p.parse_args()
-    out = Path(args.out)
-    preset = yaml.safe_load(Path(args.config).read_text()) | ({"steps": args.steps} if args.steps else {})
-    results = json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else {}
-
-    if "base" not in results:  # the untrained model, on the same evaluation tasks
-        results["base"] = {"seconds": 0.0, "world_executions": 0, "eval": evaluate("default", out / "base", args)}
-        (out / "results.json").write_text(json.dumps(results, indent=2))
-    sft_dir = out / "sft"
-    warm = args.sft_from or str(sft_dir / "final")
-    if "sft" not in results:
-        start = time.perf_counter()
-        sft = {"world_executions": "reused", "seconds": None}
-        if not args.sft_from:
-            done = run_sft(build(SFTConfig, dict(n_per_world=args.sft_per_world, epochs=1, rows_per_step=8, lr=2e-4, difficulty=1, output_dir=str(sft_dir), progress=False)))
-            sft = {"world_executions": done["world_executions"]["total"], "seconds": time.perf_counter() - start}
-        results["sft"] = sft | {"eval": evaluate(warm, out / "sft", args)}
-        (out / "results.json").write_text(json.dumps(results, indent=2))
-    for variant in args.variants:
-        if variant in results:
-            continue  # finished in an earlier invocation
-        run = out / variant
-        start = time.perf_counter()
-        train = run_train(build(TrainConfig, preset | variant_options(variant) | dict(variant=variant, init_from=warm,
-                                                                                     output_dir=str(run), resume=run.exists(), progress=False)))
-        seconds = time.perf_counter() - start
-        results[variant] = {"seconds": seconds, "world_executions": train["world_executions"]["total"], "eval": evaluate(train["final_model"], run, args),
-                            "last_metrics": {k: v for k, v in train["last_metrics"].items() if k.startswith(("reward", "success", "fidelity", "env/"))}}
-        (out / "results.json").write_text(json.dumps(results, indent=2))
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    (out / "results.md").write_text(table(results, preset, args))
-    print(table(results, preset, args))
-
-
-def table(results: dict, preset: dict, args: argparse.Namespace) -> str:
-    from envace.envs import HELDOUT_WORLDS, TRAIN_WORLDS
-    from envace.evaluation.report import pooled_success
-
-    out = Path(args.out)
-    lines = [f"Command: `python benchmarks/variants_experiment.py {shlex.join(sys.argv[1:])}`", "",
-             f"Preset: {preset['steps']} steps x {preset['tasks_per_step']} tasks x K={preset['k']}, difficulty {preset['difficulty']}, from one shared SFT warm start.", "",
-             f"| row | success, training worlds ({', '.join(TRAIN_WORLDS)}) [95% CI] | success, held-out world ({', '.join(HELDOUT_WORLDS)}) [95% CI] "
-             "| tool F1 | real-world executions in training (all purposes) | train wall time |",
-             "|---|---|---|---|---|---|"]
-    for name, r in results.items():
-        summary = json.loads((out / name / "eval-test" / "summary.json").read_text())
-        calls = r.get("world_executions", "-")
-        wall = f"{r['seconds'] / 60:.1f} min" if r.get("seconds") is not None else "reused"
-        lines.append(f"| {name} | {pooled_success(summary, set(TRAIN_WORLDS))} | {pooled_success(summary, set(HELDOUT_WORLDS))} "
-                     f"| {summary['overall'].get('tool_f1', 0):.2f} | {calls} | {wall} |")
-    return "\n".join(lines) + "\n"
+    if args.steps < 1 or args.save_every < 1:
+        raise SystemExit("--steps and --save-every must be >= 1")
+    out, rows = Path(args.out), args.rows.split(",")
+    settings = {key: getattr(args, key) for key in grpo_sweep.SETTINGS}
+    results = grpo_sweep.run(out, rows, settings, defs=experiment_rows(args.steps), warm=args.warm, eval_rehearse=args.eval_rehearse,
+                             save_every=args.save_every)
+    base = DemoConfig(output_dir=str(out), progress=False, **settings)
+    grpo_sweep.stage(results, out / "results.json", "eval-base", (evaluate_model, base.model, base, "real", out / "eval-base"))
+    curves_plot(results, rows, out / "curves.png")
+    text = (f"Command: `python benchmarks/variants_experiment.py {shlex.join(sys.argv[1:])}`\n\n{summary_table(results, rows)}\n"
+            f"Per step (benchmarks/grpo_sweep.py's table):\n\n{grpo_sweep.table(results, rows, experiment_rows(args.steps))}")
+    (out / "results.md").write_text(text)
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    print(text)
 
 
 if __name__ == "__main__":

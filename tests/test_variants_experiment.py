@@ -1,0 +1,48 @@
+"""benchmarks/variants_experiment.py: its rows are the demo's GRPO stage with each variant in
+place, and its table and curves read a results.json as benchmarks/grpo_sweep.py writes it."""
+
+import dataclasses
+from pathlib import Path
+
+from benchmarks import variants_experiment
+from envace.demo import DemoConfig, train_config
+from envace.training.variants import VARIANTS
+
+
+def test_every_variant_is_a_row_of_the_demos_grpo_stage_with_only_that_changed(tmp_path):
+    rows = variants_experiment.experiment_rows(steps=6)
+    configs = {name: train_config(dataclasses.replace(DemoConfig(), **change), tmp_path) for name, change in rows.items()}
+    assert {cfg.variant for cfg in configs.values()} == set(VARIANTS.names())  # every registered variant has a row
+    demo = train_config(dataclasses.replace(DemoConfig(), rl_steps=6), tmp_path)
+    assert configs["envace"] == demo  # the demo's own recipe, at the experiment's step count
+    assert configs["envace"].rehearse_sft_coef == 0.5 and configs["envace-ungrounded"].rehearse_sft_coef == 0.0
+    for name, cfg in configs.items():
+        assert cfg.steps == 6 and (cfg.lr, cfg.k, cfg.tasks_per_step, cfg.seed) == (demo.lr, demo.k, demo.tasks_per_step, demo.seed)
+        if name not in ("envace", "envace-ungrounded"):
+            assert (cfg.variant, cfg.rehearse_sft_coef) == (name, 0.0)
+
+
+def overall(success: float, partial: float) -> dict:
+    by_world = {"shop": {"n": 2, "success_rate": success}, "travel": {"n": 2, "success_rate": 0.0}}
+    return {"result": {"overall": {"success_rate": success / 2, "partial_credit": partial}, "by_world": by_world}}
+
+
+def test_the_summary_counts_each_rows_world_executions_by_purpose_and_compares_it_with_the_warm_start():
+    paired = {"mean_diff": 0.25, "ci95": [0.0, 0.5], "better": 1, "worse": 0}
+    results = {"eval-base": overall(0.0, 0.0), "eval-warm": overall(0.5, 0.25), "eval-act-only": overall(1.0, 0.5),
+               "sft": {"result": {"world_executions": {"total": 76}}},
+               "compare-act-only": {"success": paired, "partial_credit": paired},
+               "train-act-only": {"seconds": 600.0, "result": {"world_executions": {"rollout": 0, "verification": 31, "grounding": 0, "total": 31}}}}
+    lines = variants_experiment.summary_table(results, ["act-only", "real-grpo"]).splitlines()
+    assert len(lines) == 5  # header, rule, base, warm start, act-only (real-grpo has not finished)
+    assert lines[2].startswith("| base (untrained) | 0.00 [") and lines[2].endswith("| 0.000 |  |  |  |  |")
+    assert lines[3].startswith("| warm start (SFT) | 0.50 [") and "| 76 (its SFT data) |" in lines[3]  # shop 1 of 2; the SFT data's executions
+    assert lines[4] == ("| act-only | 1.00 [0.34, 1.00] (n=2) | 0.00 [0.00, 0.66] (n=2) | 0.500 | +0.250 [+0.000, +0.500] (1/0) "
+                        "| +0.250 [+0.000, +0.500] (1/0) | 0 / 31 / 0 | 10.0 |")
+
+
+def test_the_curves_put_each_rows_reward_against_steps_and_against_real_world_executions(tmp_path):
+    results = {"curve-envace": [{"step": 1, "reward/mean": 0.1, "env/total_total": 12}, {"step": 2, "reward/mean": 0.2, "env/total_total": 30}]}
+    path = variants_experiment.curves_plot(results, ["envace", "real-grpo"], tmp_path / "curves.png")
+    assert path is not None and Path(path).read_bytes()[:4] == b"\x89PNG"
+    assert variants_experiment.curves_plot({}, ["envace"], tmp_path / "none.png") is None and not (tmp_path / "none.png").exists()
