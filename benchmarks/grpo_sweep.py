@@ -178,11 +178,21 @@ def chains(rows: list[str]) -> list[list[str]]:
     return runs
 
 
+def save_plot(fig, axes, path: Path) -> Path:
+    """Legends on `axes`, then `fig` written to `path` as PNG."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    for ax in axes:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    FigureCanvasAgg(fig).print_png(str(path))
+    return path
+
+
 def steps_plot(results: dict, rows: list[str], path: Path) -> Path | None:
     """Per run evaluated at more than one step count (continued rows): the change in greedy
     success and partial credit against its warm start, task by task (the paired mean difference
     with its 95% bootstrap CI), against GRPO steps."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     runs = [[r for r in run if f"compare-{r}" in results] for run in chains(rows)]
@@ -201,17 +211,13 @@ def steps_plot(results: dict, rows: list[str], path: Path) -> Path | None:
             ax.errorbar(steps, diff, yerr=[low, high], marker="o", capsize=3, label=label)
         ax.axhline(0.0, color="grey", linewidth=0.8)
         ax.set(xlabel="GRPO steps", ylabel=f"{metric.replace('_', ' ')} - the warm start's", title=f"{metric.replace('_', ' ')} vs warm start (paired, 95% CI)")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    FigureCanvasAgg(fig).print_png(str(path))
-    return path
+    return save_plot(fig, fig.axes, path)
 
 
 def fidelity_plot(results: dict, rows: list[str], path: Path) -> Path | None:
     """Per row whose rollouts logged it: the rehearser's fidelity in the training rollouts
     (exact match with the real world's response, per step) and, where --rehearse-sft-coef
     trained one, the grounding loss (NLL of the reference responses before each step's update)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     curves = {r: results[f"curve-{r}"] for r in rows if any(c.get("fidelity/exact") is not None for c in results.get(f"curve-{r}", []))}
@@ -225,11 +231,7 @@ def fidelity_plot(results: dict, rows: list[str], path: Path) -> Path | None:
             nll.plot([c["step"] for c in curve], [c.get("policy/grounding_nll") for c in curve], marker="o", label=row)
     fidelity.set(xlabel="GRPO step", ylabel="exact", title="rehearsal fidelity in the training rollouts", ylim=(0, 1))
     nll.set(xlabel="GRPO step", ylabel="nats per token", title="grounding loss (reference tool responses)")
-    for ax in (fidelity, nll):
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    FigureCanvasAgg(fig).print_png(str(path))
-    return path
+    return save_plot(fig, (fidelity, nll), path)
 
 
 def table(results: dict, rows: list[str], defs: dict[str, dict] = ROWS) -> str:
@@ -326,11 +328,7 @@ def run(out: Path, rows: list[str], settings: dict, defs: dict[str, dict] = ROWS
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="runs/sweep")
-    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated rows of {list(ROWS)}")
-    p.add_argument("--warm", default=None, help="an existing warm start trained with the rows' SFT settings (e.g. runs/demo/sft/final for "
-                   "the demo's) instead of training it; every row must share those settings")
-    add_settings(p)
+    add_sweep_options(p, "runs/sweep", ROWS)
     p.add_argument("--trained", default=None, help="another sweep's --out (same seed): its finished warm starts and GRPO runs are this "
                    "sweep's, evaluated here rather than retrained (e.g. with a larger --eval-per-world)")
     args = p.parse_args()
@@ -338,8 +336,12 @@ def main() -> None:
         trained=args.trained)
 
 
-def add_settings(p: argparse.ArgumentParser, eval_per_world: int = DemoConfig().eval_per_world) -> None:
+def add_sweep_options(p: argparse.ArgumentParser, out: str, defs: dict[str, dict], eval_per_world: int = DemoConfig().eval_per_world) -> None:
     """The options every sweep over the demo's GRPO stage takes (this one, benchmarks/variants_experiment.py)."""
+    p.add_argument("--out", default=out)
+    p.add_argument("--rows", default=",".join(defs), help=f"comma-separated rows of {list(defs)}")
+    p.add_argument("--warm", default=None, help="an existing warm start trained with the rows' SFT settings (e.g. runs/demo/sft/final for "
+                   "the demo's) instead of training it; every row must share those settings")
     p.add_argument("--seed", type=int, default=0, help="every stage's seed (SFT, GRPO sampling and tasks, the test tasks); one per --out")
     p.add_argument("--eval-per-world", type=int, default=eval_per_world,
                    help="test tasks per world (5 worlds); one per --out. 8 (the demo's): a task moves success by 0.025")

@@ -88,7 +88,6 @@ def summary_table(results: dict, rows: list[str]) -> str:
 def curves_plot(results: dict, rows: list[str], path: Path) -> Path | None:
     """Per finished row: the rollouts' mean reward per GRPO step, against the step and against the
     real-world executions the run had spent by then (rollouts, verification and grounding)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     curves = {row: results[f"curve-{row}"] for row in rows if f"curve-{row}" in results}
@@ -102,22 +101,14 @@ def curves_plot(results: dict, rows: list[str], path: Path) -> Path | None:
         by_cost.plot([c.get("env/total_total", 0) for c in curve], reward, marker="o", label=row)
     by_step.set(xlabel="GRPO step", ylabel="rollout reward (partial credit)", title="reward per step")
     by_cost.set(xlabel="real-world executions spent in training", ylabel="rollout reward (partial credit)", title="reward per real-world cost")
-    for ax in (by_step, by_cost):
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    FigureCanvasAgg(fig).print_png(str(path))
-    return path
+    return grpo_sweep.save_plot(fig, (by_step, by_cost), path)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="runs/experiment")
-    p.add_argument("--rows", default=",".join(VARIANT_ROWS), help=f"comma-separated rows of {list(VARIANT_ROWS)}")
-    p.add_argument("--warm", default=None, help="an existing warm start trained with the demo's SFT settings (e.g. runs/demo/sft/final) "
-                   "instead of training it")
+    grpo_sweep.add_sweep_options(p, "runs/experiment", VARIANT_ROWS, eval_per_world=24)
     p.add_argument("--steps", type=int, default=6, help="GRPO steps per row (the demo's rl_tasks_per_step tasks x rl_k rollouts each)")
     p.add_argument("--save-every", type=int, default=2, help="checkpoint each GRPO run every N steps: an interrupted run resumes from there")
-    grpo_sweep.add_settings(p, eval_per_world=24)
     args = p.parse_args()
     if args.steps < 1 or args.save_every < 1:
         raise SystemExit("--steps and --save-every must be >= 1")
