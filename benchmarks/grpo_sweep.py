@@ -32,7 +32,7 @@ import shutil
 import time
 from pathlib import Path
 
-from envace.demo import EVAL_SAMPLER_DTYPES, DemoConfig, compare, evaluate_model, in_fresh_process, sft_config, train_config
+from envace.demo import EVAL_SAMPLER_DTYPES, DemoConfig, compare, compare_fidelity, evaluate_model, in_fresh_process, sft_config, train_config
 from envace.training.checkpoint import latest_checkpoint
 from envace.training.sft import run_sft
 from envace.training.trainer import run_train
@@ -257,6 +257,9 @@ def table(results: dict, rows: list[str], defs: dict[str, dict] = ROWS) -> str:
         measured = [overall(f"eval-rehearse-{n}") if f"eval-rehearse-{n}" in results else {} for n in (results[f"warm-of-{row}"], row)]
         sides = [f"{o['fidelity/exact']:.2f} / {o['fidelity/field_f1']:.2f}" if "fidelity/exact" in o else "-" for o in measured]
         test_fidelity = "-" if sides == ["-", "-"] else " -> ".join(sides)
+        if f"compare-rehearse-{row}" in results:
+            f1 = results[f"compare-rehearse-{row}"]["field_f1"]
+            test_fidelity += f"; field F1 paired over {f1['n']} tasks {paired(f1)}"
         changed = ", ".join(f"{k}={v}" for k, v in defs[row].items()) or "(the demo's settings)"
         lines.append(f"| {row} | {changed} | {warm['success_rate']:.3f} / {warm['partial_credit']:.3f} | {after['success_rate']:.3f} / {after['partial_credit']:.3f} | "
                      f"{paired(cmp['success'])} | {paired(cmp['partial_credit'])} | {curve} | {malformed} | {fidelity} | {test_fidelity} | {results[f'train-{row}']['seconds']:.0f} |")
@@ -317,6 +320,8 @@ def run(out: Path, rows: list[str], settings: dict, defs: dict[str, dict] = ROWS
             stage(results, path, f"eval-rehearse-{row}", (evaluate_model, trained_row["final_model"], cfg, "rehearse", out / f"eval-rehearse-{row}"))
         results[f"warm-of-{row}"] = name
         results[f"compare-{row}"] = compare(out / f"eval-{name}", out / f"eval-{row}")
+        if f"eval-rehearse-{name}" in results and f"eval-rehearse-{row}" in results:
+            results[f"compare-rehearse-{row}"] = compare_fidelity(out / f"eval-rehearse-{name}", out / f"eval-rehearse-{row}")
         results[f"curve-{row}"] = training_curve(trained_row["run_dir"])
         path.write_text(json.dumps(results, indent=2, default=str))
         (out / "results.md").write_text(table(results, rows, defs))

@@ -127,8 +127,17 @@ def evaluate_model(model: str, cfg: DemoConfig, mode: str, out: Path, max_active
 
 def per_task(eval_dir: Path, key: str) -> dict[str, float]:
     """task id -> `key` ("success" or "partial_credit") from an evaluation's records.jsonl."""
-    records = [json.loads(line) for line in (eval_dir / "records.jsonl").read_text().splitlines()]
-    return {r["task_id"]: float(r[key] or 0.0) for r in records}
+    return {r["task_id"]: float(r[key] or 0.0) for r in _records(eval_dir)}
+
+
+def per_task_fidelity(eval_dir: Path, key: str) -> dict[str, float]:
+    """task id -> the mean `key` ("exact" or "field_f1") of the rehearsed responses of a rehearse-mode
+    evaluation's task, for the tasks that rehearsed at least one call (the others have no fidelity)."""
+    return {r["task_id"]: sum(f[key] for f in r["fidelity"]) / len(r["fidelity"]) for r in _records(eval_dir) if r.get("fidelity")}
+
+
+def _records(eval_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (eval_dir / "records.jsonl").read_text().splitlines()]
 
 
 def compare(before: Path, after: Path) -> dict[str, Any]:
@@ -136,6 +145,15 @@ def compare(before: Path, after: Path) -> dict[str, Any]:
     from envace.metrics import paired_comparison
 
     return {key: paired_comparison(per_task(before, key), per_task(after, key)) for key in ("success", "partial_credit")}
+
+
+def compare_fidelity(before: Path, after: Path) -> dict[str, Any]:
+    """Two rehearse-mode evaluations on the same tasks: rehearsal fidelity (exact, field F1) paired
+    over the tasks where both rehearsed a call. The calls themselves may differ (each model chose
+    its own), so this compares how well each model imagines the responses to its own calls on a task."""
+    from envace.metrics import paired_comparison
+
+    return {key: paired_comparison(per_task_fidelity(before, key), per_task_fidelity(after, key)) for key in ("exact", "field_f1")}
 
 
 def peak_rss_gib() -> float:

@@ -115,3 +115,22 @@ def test_each_demo_stage_runs_in_a_fresh_process_and_reports_its_peak_memory():
     assert pid != os.getpid() and 0 < peak < 64
     with pytest.raises(ZeroDivisionError):
         in_fresh_process(divmod, 1, 0)
+
+
+def test_rehearsal_fidelity_is_compared_per_task_over_the_tasks_both_models_rehearsed(tmp_path):
+    from envace.demo import compare_fidelity, per_task_fidelity
+
+    def write(name: str, fidelity: dict[str, list[tuple[float, float]]]) -> Path:
+        (tmp_path / name).mkdir()
+        records = [{"task_id": t, "fidelity": [{"exact": e, "field_f1": f} for e, f in calls]} for t, calls in fidelity.items()]
+        (tmp_path / name / "records.jsonl").write_text("\n".join(map(json.dumps, records)) + "\n")
+        return tmp_path / name
+
+    # task c rehearsed no call before (malformed, or answered at once): it has no fidelity to pair
+    before = write("before", {"a": [(0.0, 0.5), (1.0, 1.0)], "b": [(0.0, 0.2)], "c": []})
+    after = write("after", {"a": [(1.0, 1.0)], "b": [(0.0, 0.4), (0.0, 0.6)], "c": [(1.0, 1.0)]})
+    assert per_task_fidelity(before, "field_f1") == {"a": 0.75, "b": 0.2}
+    paired = compare_fidelity(before, after)
+    # exact: a 0.5 -> 1.0, b 0 -> 0; field F1: a 0.75 -> 1.0, b 0.2 -> 0.5
+    assert paired["exact"]["n"] == 2 and paired["exact"]["mean_diff"] == pytest.approx(0.25) and (paired["exact"]["better"], paired["exact"]["same"]) == (1, 1)
+    assert paired["field_f1"]["mean_diff"] == pytest.approx((0.25 + 0.3) / 2) and paired["field_f1"]["better"] == 2

@@ -74,6 +74,9 @@ def test_the_table_shows_rehearsal_fidelity_per_step_and_on_the_test_tasks_where
     results["eval-rehearse-current-demo"] = {"result": {"overall": overall | {"fidelity/exact": 0.375, "fidelity/field_f1": 0.625}}}
     row = grpo_sweep.table(results, ["current-demo"]).splitlines()[2]
     assert "| 0.50, - | 0.25 / 0.50 -> 0.38 / 0.62 | 300 |" in row
+    results["compare-rehearse-current-demo"] = {"exact": paired, "field_f1": {"n": 30, "mean_diff": 0.068, "ci95": [0.01, 0.13], "better": 12, "worse": 5}}
+    row = grpo_sweep.table(results, ["current-demo"]).splitlines()[2]
+    assert "| 0.25 / 0.50 -> 0.38 / 0.62; field F1 paired over 30 tasks +0.068 [+0.010, +0.130] (12/5) | 300 |" in row
 
 
 def test_the_fidelity_plot_is_drawn_only_for_rows_that_logged_fidelity(tmp_path):
