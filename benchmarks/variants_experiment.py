@@ -73,8 +73,8 @@ def summary_table(results: dict, rows: list[str]) -> str:
         ev = results[stage]["result"]
         if row is None:
             versus, calls, minutes = "", "", ""
-            if stage == "eval-warm" and "sft" in results:
-                calls = f"{results['sft']['result']['world_executions']['total']} (its SFT data)"
+            if stage == "eval-warm":
+                calls = warm_start_executions(results, rows)
         else:
             cmp, train = results[f"compare-{row}"], results[f"train-{row}"]
             versus = f"{paired(cmp['success'])} | {paired(cmp['partial_credit'])}"
@@ -83,6 +83,15 @@ def summary_table(results: dict, rows: list[str]) -> str:
         lines.append(f"| {label} | {pooled_success(ev, set(TRAIN_WORLDS))} | {pooled_success(ev, set(HELDOUT_WORLDS))} | "
                      f"{ev['overall']['partial_credit']:.3f} | {versus or ' | '} | {calls} | {minutes} |")
     return "\n".join(lines) + "\n"
+
+
+def warm_start_executions(results: dict, rows: list[str]) -> str:
+    """What making the warm start's SFT data executed in the real worlds: its own stage's count, or
+    (a --warm warm start) the count a trained row's manifest chain carries from it."""
+    if "sft" in results:
+        return f"{results['sft']['result']['world_executions']['total']} (its SFT data)"
+    chains = [results[f"train-{row}"]["result"]["chain_world_executions"] for row in rows if f"train-{row}" in results]
+    return f"{chains[0]['sft_data']} (its SFT data)" if chains else ""
 
 
 def curves_plot(results: dict, rows: list[str], path: Path) -> Path | None:

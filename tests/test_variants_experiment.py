@@ -37,6 +37,10 @@ def test_the_summary_counts_each_rows_world_executions_by_purpose_and_compares_i
     assert len(lines) == 5  # header, rule, base, warm start, act-only (real-grpo has not finished)
     assert lines[2].startswith("| base (untrained) | 0.00 [") and lines[2].endswith("| 0.000 |  |  |  |  |")
     assert lines[3].startswith("| warm start (SFT) | 0.50 [") and "| 76 (its SFT data) |" in lines[3]  # shop 1 of 2; the SFT data's executions
+    # a warm start given with --warm has no SFT stage here: its data's executions come from a trained row's manifest chain
+    del results["sft"]
+    results["train-act-only"]["result"]["chain_world_executions"] = {"sft_data": 182}
+    assert "| 182 (its SFT data) |" in variants_experiment.summary_table(results, ["act-only"]).splitlines()[3]
     assert lines[4] == ("| act-only | 1.00 [0.34, 1.00] (n=2) | 0.00 [0.00, 0.66] (n=2) | 0.500 | +0.250 [+0.000, +0.500] (1/0) "
                         "| +0.250 [+0.000, +0.500] (1/0) | 0 / 31 / 0 | 10.0 |")
 
