@@ -32,7 +32,7 @@ import shutil
 import time
 from pathlib import Path
 
-from envace.demo import EVAL_SAMPLER_DTYPES, DemoConfig, compare, compare_fidelity, evaluate_model, in_fresh_process, sft_config, train_config
+from envace.demo import EVAL_SAMPLER_DTYPES, DemoConfig, compare, compare_fidelity, compare_pooled, evaluate_model, in_fresh_process, sft_config, train_config
 from envace.training.checkpoint import latest_checkpoint
 from envace.training.sft import run_sft
 from envace.training.trainer import run_train
@@ -266,6 +266,30 @@ def table(results: dict, rows: list[str], defs: dict[str, dict] = ROWS) -> str:
     return "\n".join(lines) + "\n"
 
 
+def pooled_table(outs: list[Path], rows: list[str]) -> str:
+    """The rows over several finished sweeps of the same rows (one per seed, each on its own test
+    tasks): each row against its warm start, and each row against the first, paired over the
+    tasks of all the sweeps."""
+    def evals(row: str) -> list[Path]:
+        return [out / f"eval-{row}" for out in outs]
+
+    def warm(out: Path, row: str) -> Path:
+        return out / f"eval-{json.loads((out / 'results.json').read_text())[f'warm-of-{row}']}"
+
+    def paired(p: dict) -> str:
+        return f"{p['mean_diff']:+.3f} [{p['ci95'][0]:+.3f}, {p['ci95'][1]:+.3f}] ({p['better']}/{p['worse']}, {p['n']} tasks)"
+
+    lines = [f"Pooled over {', '.join(map(str, outs))}:", "", "| row | against | success [95% CI] (better/worse) | partial credit |", "|---|---|---|---|"]
+    for row in rows:
+        against = [("its warm start", [(warm(out, row), out / f"eval-{row}") for out in outs])]
+        if row != rows[0]:
+            against.append((rows[0], list(zip(evals(rows[0]), evals(row)))))
+        for name, pairs in against:
+            cmp = compare_pooled(pairs)
+            lines.append(f"| {row} | {name} | {paired(cmp['success'])} | {paired(cmp['partial_credit'])} |")
+    return "\n".join(lines) + "\n"
+
+
 # Settings of a whole sweep (one per --out), with what a results.json from before each existed used.
 SETTINGS = {"seed": 0, "eval_per_world": DemoConfig().eval_per_world, "eval_sampler_dtype": "auto"}
 
@@ -336,7 +360,12 @@ def main() -> None:
     add_sweep_options(p, "runs/sweep", ROWS)
     p.add_argument("--trained", default=None, help="another sweep's --out (same seed): its finished warm starts and GRPO runs are this "
                    "sweep's, evaluated here rather than retrained (e.g. with a larger --eval-per-world)")
+    p.add_argument("--pool", default=None, help="comma-separated finished sweeps' --out (e.g. one per --seed): print --rows' comparisons "
+                   "pooled over their test tasks, and run nothing")
     args = p.parse_args()
+    if args.pool:
+        print(pooled_table([Path(o) for o in args.pool.split(",")], args.rows.split(",")))
+        return
     run(Path(args.out), args.rows.split(","), {key: getattr(args, key) for key in SETTINGS}, warm=args.warm, eval_rehearse=args.eval_rehearse,
         trained=args.trained)
 

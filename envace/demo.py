@@ -55,8 +55,8 @@ class DemoConfig:
     rl_grounding: bool = field(False, help="GRPO rehearsal from the isolated simulator prompt with the task's reference (call, true result) pairs "
                                              "(the reference implementation's privileged grounding; its world runs are counted as grounding)")
     rl_rehearse_sft_coef: float = field(0.5, help="GRPO with the rehearser grounded on the reference trajectories' tool responses "
-                                                  "(`envace train --rehearse-sft-coef`; 0 = off). 0.5: +6/-0 of 40 test tasks against the warm "
-                                                  "start, 0: +6/-2 (one seed, benchmarks/grpo_sweep.py, docs/training.md)")
+                                                  "(`envace train --rehearse-sft-coef`; 0 = off). 0.5: +9/-0 of 80 test tasks against the warm "
+                                                  "start, 0: +7/-5 (two seeds, benchmarks/grpo_sweep.py, docs/training.md)")
     rl_real_fraction: float = field(0.0, help="share of each GRPO step's tasks rolled out against the real world (the rest rehearsed)")
     rl_filter_groups: bool = field(True, help="GRPO with DAPO's dynamic sampling: up to 3 rounds of rollouts per step until rl_tasks_per_step groups "
                                               "carry a signal (8 x 4 for 6 steps from the 24-per-world warm start: +9/-0 of 120 test tasks with it, "
@@ -142,9 +142,19 @@ def _records(eval_dir: Path) -> list[dict[str, Any]]:
 
 def compare(before: Path, after: Path) -> dict[str, Any]:
     """SFT + GRPO against SFT on the same tasks: success and partial credit, paired."""
+    return compare_pooled([(before, after)])
+
+
+def compare_pooled(pairs: list[tuple[Path, Path]]) -> dict[str, Any]:
+    """Success and partial credit paired over the tasks of several (before, after) evaluations,
+    each pair on its own tasks (e.g. one pair per seed): the per-task differences of all pairs are
+    one sample, so the CI covers the tasks of every pair."""
     from envace.metrics import paired_comparison
 
-    return {key: paired_comparison(per_task(before, key), per_task(after, key)) for key in ("success", "partial_credit")}
+    def pooled(side: int, key: str) -> dict[str, float]:
+        return {f"{i}/{task}": v for i, pair in enumerate(pairs) for task, v in per_task(pair[side], key).items()}
+
+    return {key: paired_comparison(pooled(0, key), pooled(1, key)) for key in ("success", "partial_credit")}
 
 
 def compare_fidelity(before: Path, after: Path) -> dict[str, Any]:

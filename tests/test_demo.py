@@ -134,3 +134,17 @@ def test_rehearsal_fidelity_is_compared_per_task_over_the_tasks_both_models_rehe
     # exact: a 0.5 -> 1.0, b 0 -> 0; field F1: a 0.75 -> 1.0, b 0.2 -> 0.5
     assert paired["exact"]["n"] == 2 and paired["exact"]["mean_diff"] == pytest.approx(0.25) and (paired["exact"]["better"], paired["exact"]["same"]) == (1, 1)
     assert paired["field_f1"]["mean_diff"] == pytest.approx((0.25 + 0.3) / 2) and paired["field_f1"]["better"] == 2
+
+
+def test_pooled_comparison_keeps_each_pairs_tasks_apart(tmp_path):
+    """Two seeds' evaluations may reuse a task id; pooled, each pair's task is its own sample."""
+    from envace.demo import compare_pooled
+
+    def write(name: str, success: float) -> Path:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "records.jsonl").write_text(json.dumps({"task_id": "t", "success": success, "partial_credit": success / 2}) + "\n")
+        return tmp_path / name
+
+    pooled = compare_pooled([(write("b0", 0.0), write("a0", 1.0)), (write("b1", 1.0), write("a1", 1.0))])
+    assert (pooled["success"]["n"], pooled["success"]["mean_diff"], pooled["success"]["better"], pooled["success"]["same"]) == (2, 0.5, 1, 1)
+    assert pooled["partial_credit"]["mean_diff"] == 0.25

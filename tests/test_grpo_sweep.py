@@ -85,3 +85,24 @@ def test_the_fidelity_plot_is_drawn_only_for_rows_that_logged_fidelity(tmp_path)
     curves = old | {"curve-rehearse-sft-0.5": [{"step": s, "fidelity/exact": f, "policy/grounding_nll": n} for s, f, n in ((1, 0.3, 0.9), (2, 0.4, 0.7))]}
     path = grpo_sweep.fidelity_plot(curves, ["demo", "rehearse-sft-0.5"], tmp_path / "fidelity.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_pooled_table_compares_each_row_with_its_warm_start_and_the_first_row_over_every_sweep(tmp_path):
+    import json
+
+    def sweep(name: str, scores: dict[str, list[float]]) -> object:
+        out = tmp_path / name
+        for stage, successes in scores.items():
+            (out / stage).mkdir(parents=True)
+            (out / stage / "records.jsonl").write_text("".join(json.dumps({"task_id": f"t{i}", "success": s, "partial_credit": s}) + "\n"
+                                                               for i, s in enumerate(successes)))
+        (out / "results.json").write_text(json.dumps({"warm-of-a": "warm", "warm-of-b": "warm"}))
+        return out
+
+    one = sweep("seed0", {"eval-warm": [0, 0], "eval-a": [1, 0], "eval-b": [1, 1]})
+    two = sweep("seed1", {"eval-warm": [1, 0], "eval-a": [0, 0], "eval-b": [1, 0]})
+    lines = grpo_sweep.pooled_table([one, two], ["a", "b"]).splitlines()
+    # a vs warm: +1, 0, -1, 0; b vs warm: +1, +1, 0, 0; b vs a: 0, +1, +1, 0 (4 tasks each)
+    assert lines[4].startswith("| a | its warm start | +0.000 [") and "(1/1, 4 tasks)" in lines[4]
+    assert lines[5].startswith("| b | its warm start | +0.500 [") and "(2/0, 4 tasks)" in lines[5]
+    assert lines[6].startswith("| b | a | +0.500 [") and "(2/0, 4 tasks)" in lines[6]
