@@ -8,6 +8,7 @@ by task with its own warm start (issue #13, "search before guessing").
     python benchmarks/grpo_sweep.py --out runs/sweep4 --rows sft-24-8-tasks-6-steps --warm runs/ws24/sft/final
     python benchmarks/grpo_sweep.py --out runs/sweep4 --rows sft-24-8-tasks-6-steps,sft-24-8-tasks-12-steps,sft-24-8-tasks-18-steps,sft-24-8-tasks-24-steps --warm runs/ws24/sft/final
     python benchmarks/grpo_sweep.py --out runs/sweep6 --eval-per-world 24 --trained runs/sweep5 --rows sft-24-8-tasks-6-steps   # sweep5's models on 120 test tasks
+    python benchmarks/grpo_sweep.py --pool runs/g0,runs/s1a --rows current-demo,rehearse-sft-0.5   # two seeds' sweeps, pooled
 
 Stages (each in a fresh process, as in the demo; rerun the same command to continue: finished
 stages are kept in results.json):
