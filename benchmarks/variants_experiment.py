@@ -14,7 +14,8 @@ Rows (each the demo's GRPO stage, `envace demo`'s settings, with the one change 
   envace-ungrounded  the same, REHEARSE trained by the task reward alone
   act-only           rehearse mode, only ACT trained
   real-grpo          the real worlds answer the rollouts' calls (GRPO against the environment)
-  simulator          the frozen base model answers the calls
+  simulator          the frozen warm start answers the calls (the rehearser as it was before GRPO)
+  simulator-base     the frozen base model answers the calls
   no-share           a second trained model rehearses (ACT and REHEARSE in separate weights)
 The baselines' policies train no REHEARSE role in the agent's transcript, so they have nothing
 to ground. The staging (warm start, evaluations, paired comparisons) is benchmarks/grpo_sweep.py's.
@@ -42,7 +43,8 @@ VARIANT_ROWS: dict[str, dict] = {
     "envace-ungrounded": UNGROUNDED,
     "act-only": {"rl_variant": "act-only", **UNGROUNDED},
     "real-grpo": {"rl_variant": "real-grpo", **UNGROUNDED},
-    "simulator": {"rl_variant": "simulator", **UNGROUNDED},
+    "simulator": {"rl_variant": "simulator", **UNGROUNDED},  # the frozen warm start answers
+    "simulator-base": {"rl_variant": "simulator", "rl_simulator_model": "default", **UNGROUNDED},  # the frozen base model answers
     "no-share": {"rl_variant": "no-share", **UNGROUNDED},
 }
 PURPOSES = ("rollout", "verification", "grounding")  # what a GRPO run executes in the real worlds (accounting.WorldExecutions)

@@ -46,6 +46,9 @@ class DemoConfig:
     sft_rows_per_step: int = field(2, help="trajectories per SFT step (fewer: more updates for the same compute)")
     rl_variant: str = field("envace", help="the GRPO stage's training variant (`envace train --variant`; the baselines for "
                                            "benchmarks/variants_experiment.py). The demo trains envace")
+    rl_simulator_model: str = field("warm", help="--rl-variant simulator: the frozen model that answers the rollouts' calls: warm (the warm "
+                                                 "start, frozen: the rehearser before GRPO) or a model spec (default: the base model, "
+                                                 "whose responses overran 128 tokens in every sampled rollout, docs/training.md)")
     rl_steps: int = field(3, help="GRPO steps with world rehearsal")
     rl_tasks_per_step: int = field(3, help="tasks per GRPO step")
     rl_k: int = field(4, help="rollouts per task")
@@ -111,6 +114,8 @@ class DemoConfig:
             raise ConfigError(f"rl_real_fraction mixes real-world rollouts into rehearsed ones; --rl-variant {self.rl_variant} does not rehearse")
         if self.rl_grounding and variant.rollout_mode != "rehearse":
             raise ConfigError(f"rl_grounding grounds the rehearser's prompt; --rl-variant {self.rl_variant} does not rehearse")
+        if self.rl_simulator_model != "warm" and not variant.needs_simulator_model:
+            raise ConfigError(f"rl_simulator_model is read by --rl-variant simulator only; drop it for --rl-variant {self.rl_variant}")
 
 
 def evaluate_model(model: str, cfg: DemoConfig, mode: str, out: Path, max_active: int | None = None) -> dict[str, Any]:
@@ -216,9 +221,12 @@ def train_config(cfg: DemoConfig, output_dir: Path, init_from: str | None = None
     from envace.training.trainer import TrainConfig
     from envace.training.variants import VARIANTS
 
+    variant = VARIANTS.get(cfg.rl_variant)
     # a separate rehearser (no-share) writes from the isolated prompt, as the privileged grounding does
-    isolated = cfg.rl_grounding or VARIANTS.get(cfg.rl_variant).requires_layout == "isolated"
-    return build(TrainConfig, dict(model=cfg.model, init_from=init_from, variant=cfg.rl_variant, steps=cfg.rl_steps, tasks_per_step=cfg.rl_tasks_per_step, k=cfg.rl_k,
+    isolated = cfg.rl_grounding or variant.requires_layout == "isolated"
+    # the frozen simulator: the warm start once it exists (before, the base model stands in, for validation)
+    simulator = (init_from if cfg.rl_simulator_model == "warm" else cfg.rl_simulator_model) if variant.needs_simulator_model else None
+    return build(TrainConfig, dict(model=cfg.model, init_from=init_from, variant=cfg.rl_variant, simulator_model=simulator, steps=cfg.rl_steps, tasks_per_step=cfg.rl_tasks_per_step, k=cfg.rl_k,
                                    lr=cfg.rl_lr, reward=cfg.rl_reward, rehearse_sft_coef=cfg.rl_rehearse_sft_coef, real_fraction=cfg.rl_real_fraction, filter_groups=cfg.rl_filter_groups, unseen_tasks=cfg.rl_unseen_tasks, difficulty=cfg.difficulty, output_dir=str(output_dir), save_every=cfg.rl_steps,
                                    # one task group (~1.5-3k packed tokens) per micro-batch: the GRPO stage peaked at 8.9 GiB with
                                    # 4096, 5.1 GiB with this (measured, docs/training.md), for the same update
@@ -249,11 +257,12 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     def evaluate(name: str, model: str, mode: str = "real") -> dict[str, Any]:
         return stage(f"evaluate {name}", evaluate_model, model, cfg, mode, root / f"eval-{name}")
 
-    sft, train = sft_config(cfg, root / "sft"), train_config(cfg, root / "train")  # both checked before any model loads
+    sft = sft_config(cfg, root / "sft")
+    train_config(cfg, root / "train")  # checked before any model loads; built again once the warm start exists
     stages = {} if cfg.tiny else {BASE: evaluate("base", cfg.model)}  # a tiny model has no base to evaluate
     warm = stage("warm start (SFT on real-world trajectories)", run_sft, sft)["final_model"]
     stages[SFT] = evaluate("sft", warm)
-    train.init_from = warm  # the warm start exists only now
+    train = train_config(cfg, root / "train", init_from=warm)  # the warm start exists only now
     train_result = stage("train with world rehearsal (role-level GRPO)", run_train, train)
     trained = train_result["final_model"]
     label = trained_label(cfg.rl_variant)

@@ -37,6 +37,8 @@ def test_demo_config_refuses_variant_settings_the_variant_does_not_read():
         build(DemoConfig, {"rl_variant": "real-grpo", "rl_rehearse_sft_coef": 0.0, "rl_real_fraction": 0.5})
     with pytest.raises(ConfigError, match="rl_grounding .* --rl-variant simulator does not rehearse"):
         build(DemoConfig, {"rl_variant": "simulator", "rl_rehearse_sft_coef": 0.0, "rl_grounding": True})
+    with pytest.raises(ConfigError, match="rl_simulator_model is read by --rl-variant simulator only; drop it for --rl-variant envace"):
+        build(DemoConfig, {"rl_simulator_model": "default"})
 
 
 def test_demo_grpo_stage_takes_grounding_real_fraction_and_group_filtering_into_its_train_config(tmp_path):
@@ -54,6 +56,15 @@ def test_demo_grpo_stage_takes_grounding_real_fraction_and_group_filtering_into_
         baseline = train_config(build(DemoConfig, {"rl_variant": variant, "rl_rehearse_sft_coef": 0.0}), tmp_path)
         # no-share's second model cannot share the agent's transcript cache: the variant brings its layout
         assert (baseline.variant, baseline.rollout.rehearse_layout, baseline.rehearse_sft_coef) == (variant, layout, 0.0)
+    # the frozen simulator is the warm start by default (the base model before it exists), or the model named
+    simulator = {"rl_variant": "simulator", "rl_rehearse_sft_coef": 0.0}
+    warm = tmp_path / "warm"
+    warm.mkdir()
+    (warm / "config.json").write_text("{}")  # a checkpoint directory, as far as the spec check looks
+    assert train_config(build(DemoConfig, simulator), tmp_path).simulator_model is None
+    assert train_config(build(DemoConfig, simulator), tmp_path, init_from=str(warm)).simulator_model == str(warm)
+    assert train_config(build(DemoConfig, simulator | {"rl_simulator_model": "default"}), tmp_path, init_from=str(warm)).simulator_model == "default"
+    assert train_config(build(DemoConfig, {}), tmp_path, init_from=str(warm)).simulator_model is None  # envace has no simulator
 
 
 def test_default_demo_evaluates_at_least_40_tasks_across_all_worlds():

@@ -19,7 +19,14 @@ def test_every_variant_is_a_row_of_the_demos_grpo_stage_with_only_that_changed(t
     for name, cfg in configs.items():
         assert cfg.steps == 6 and (cfg.lr, cfg.k, cfg.tasks_per_step, cfg.seed) == (demo.lr, demo.k, demo.tasks_per_step, demo.seed)
         if name not in ("envace", "envace-ungrounded"):
-            assert (cfg.variant, cfg.rehearse_sft_coef) == (name, 0.0)
+            assert (cfg.variant, cfg.rehearse_sft_coef) == (name.removesuffix("-base"), 0.0)
+    # the simulator rows differ in the frozen model that answers: the warm start (once it exists), or the base model
+    warm = tmp_path / "warm"
+    warm.mkdir()
+    (warm / "config.json").write_text("{}")
+    simulators = {name: train_config(dataclasses.replace(DemoConfig(), **rows[name]), tmp_path, init_from=str(warm)).simulator_model
+                  for name in ("simulator", "simulator-base")}
+    assert simulators == {"simulator": str(warm), "simulator-base": "default"}
 
 
 def overall(success: float, partial: float) -> dict:
