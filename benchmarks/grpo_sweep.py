@@ -235,13 +235,17 @@ def fidelity_plot(results: dict, rows: list[str], path: Path) -> Path | None:
     return save_plot(fig, (fidelity, nll), path)
 
 
+def paired(p: dict, tasks: bool = False) -> str:
+    """A paired comparison (`envace.metrics.paired_comparison`) as "+d [low, high] (better/worse)",
+    with its task count when `tasks`."""
+    count = f", {p['n']} tasks" if tasks else ""
+    return f"{p['mean_diff']:+.3f} [{p['ci95'][0]:+.3f}, {p['ci95'][1]:+.3f}] ({p['better']}/{p['worse']}{count})"
+
+
 def table(results: dict, rows: list[str], defs: dict[str, dict] = ROWS) -> str:
     """The sweep's table: per row of `rows` (its settings in `defs`) that has finished."""
     def overall(name: str) -> dict:
         return results[name]["result"]["overall"]
-
-    def paired(p: dict) -> str:
-        return f"{p['mean_diff']:+.3f} [{p['ci95'][0]:+.3f}, {p['ci95'][1]:+.3f}] ({p['better']}/{p['worse']})"
 
     lines = ["| row | changed | warm start success / partial credit | after GRPO success / partial credit | success vs warm start [95% CI] (better/worse) "
              "| partial credit vs warm start | rollout reward per step | malformed in rollouts per step | rehearsal fidelity (exact) per step "
@@ -277,9 +281,6 @@ def pooled_table(outs: list[Path], rows: list[str]) -> str:
     def warm(out: Path, row: str) -> Path:
         return out / f"eval-{json.loads((out / 'results.json').read_text())[f'warm-of-{row}']}"
 
-    def paired(p: dict) -> str:
-        return f"{p['mean_diff']:+.3f} [{p['ci95'][0]:+.3f}, {p['ci95'][1]:+.3f}] ({p['better']}/{p['worse']}, {p['n']} tasks)"
-
     lines = [f"Pooled over {', '.join(map(str, outs))}:", "", "| row | against | success [95% CI] (better/worse) | partial credit |", "|---|---|---|---|"]
     for row in rows:
         against = [("its warm start", [(warm(out, row), out / f"eval-{row}") for out in outs])]
@@ -287,7 +288,7 @@ def pooled_table(outs: list[Path], rows: list[str]) -> str:
             against.append((rows[0], list(zip(evals(rows[0]), evals(row)))))
         for name, pairs in against:
             cmp = compare_pooled(pairs)
-            lines.append(f"| {row} | {name} | {paired(cmp['success'])} | {paired(cmp['partial_credit'])} |")
+            lines.append(f"| {row} | {name} | {paired(cmp['success'], tasks=True)} | {paired(cmp['partial_credit'], tasks=True)} |")
     return "\n".join(lines) + "\n"
 
 

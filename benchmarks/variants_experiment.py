@@ -60,9 +60,6 @@ def summary_table(results: dict, rows: list[str]) -> str:
     from envace.envs import HELDOUT_WORLDS, TRAIN_WORLDS
     from envace.evaluation.report import pooled_success
 
-    def paired(p: dict) -> str:
-        return f"{p['mean_diff']:+.3f} [{p['ci95'][0]:+.3f}, {p['ci95'][1]:+.3f}] ({p['better']}/{p['worse']})"
-
     lines = [f"| row | success, training worlds ({', '.join(TRAIN_WORLDS)}) [95% CI] | success, held-out world ({', '.join(HELDOUT_WORLDS)}) [95% CI] "
              "| partial credit | success vs warm start [95% CI] (better/worse) | partial credit vs warm start "
              f"| real-world executions in training ({' / '.join(PURPOSES)}) | train min |",
@@ -79,7 +76,7 @@ def summary_table(results: dict, rows: list[str]) -> str:
                 calls = warm_start_executions(results, rows)
         else:
             cmp, train = results[f"compare-{row}"], results[f"train-{row}"]
-            versus = f"{paired(cmp['success'])} | {paired(cmp['partial_credit'])}"
+            versus = f"{grpo_sweep.paired(cmp['success'])} | {grpo_sweep.paired(cmp['partial_credit'])}"
             calls = " / ".join(str(train["result"]["world_executions"][p]) for p in PURPOSES)
             minutes = f"{train['seconds'] / 60:.1f}"
         lines.append(f"| {label} | {pooled_success(ev, set(TRAIN_WORLDS))} | {pooled_success(ev, set(HELDOUT_WORLDS))} | "

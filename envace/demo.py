@@ -23,6 +23,7 @@ from envace.config import ConfigError, build, field
 from envace.evaluation.report import markdown_table, pooled_success
 
 BASE, SFT, TRAINED = "base", "SFT", "SFT + rehearsal GRPO"
+EVAL_SAMPLER_DTYPES = ("auto", "f32", "bf16")  # a greedy evaluation's numerics (int8 is a speed setting, f16/q8_0 llama.cpp's)
 # How each rollout mode's GRPO stage reads in the report (rl_variant's mode: who answers the tools).
 MODE_TEXT = {"rehearse": "in rehearse mode", "real": "against the real worlds", "simulator": "answered by a frozen simulator model"}
 
@@ -30,7 +31,6 @@ MODE_TEXT = {"rehearse": "in rehearse mode", "real": "against the real worlds", 
 def trained_label(variant: str) -> str:
     """The report's row of the model the GRPO stage trained: the demo's own, or a baseline variant's."""
     return TRAINED if variant == "envace" else f"SFT + GRPO ({variant})"
-EVAL_SAMPLER_DTYPES = ("auto", "f32", "bf16")  # a greedy evaluation's numerics (int8 is a speed setting, f16/q8_0 llama.cpp's)
 
 
 @dataclass
@@ -102,12 +102,11 @@ class DemoConfig:
         """The GRPO stage's settings that only some variants read, named by the demo's own flags
         (the train config would name `envace train`'s)."""
         from envace.training.variants import VARIANTS
-        from envace.types import Role
 
         if self.rl_variant not in VARIANTS:
             raise ConfigError(f"unknown rl_variant {self.rl_variant!r}; known: {', '.join(VARIANTS.names())}")
         variant = VARIANTS.get(self.rl_variant)
-        if self.rl_rehearse_sft_coef and Role.REHEARSE not in variant.trained_roles.get("policy", ()):
+        if self.rl_rehearse_sft_coef and not variant.policy_rehearses:
             raise ConfigError(f"--rl-variant {self.rl_variant} does not train the policy's REHEARSE role, which --rl-rehearse-sft-coef "
                               f"grounds (on by default): pass --rl-rehearse-sft-coef 0 with --rl-variant {self.rl_variant}")
         if self.rl_real_fraction and not variant.allows_real_fraction:
@@ -297,7 +296,6 @@ def _paired_line(name: str, p: dict[str, Any]) -> str:
 def report_markdown(summary: dict[str, Any], root: Path) -> str:
     from envace.backends.models import machine_line
     from envace.envs import HELDOUT_WORLDS, TRAIN_WORLDS
-
     from envace.training.variants import VARIANTS
 
     cfg = summary["config"]

@@ -168,7 +168,7 @@ class TrainConfig(TrainingOptions):
             raise ConfigError(f"rehearse_sft_coef must be >= 0 (0 = off), got {self.rehearse_sft_coef}")
         if not self.rehearse_sft_coef:
             return
-        if Role.REHEARSE not in VARIANTS.get(self.variant).trained_roles.get("policy", ()):
+        if not VARIANTS.get(self.variant).policy_rehearses:
             raise ConfigError(f"--rehearse-sft-coef trains the policy's REHEARSE role, which --variant {self.variant} does not train: "
                               "use --variant envace, or drop --rehearse-sft-coef")
         if self.rollout.rehearse_layout != "transcript":

@@ -31,6 +31,11 @@ class Variant:
         return self.rollout_mode == "simulator"
 
     @property
+    def policy_rehearses(self) -> bool:
+        """The policy itself learns REHEARSE, in the agent's transcript: what grounding trains."""
+        return Role.REHEARSE in self.trained_roles.get("policy", ())
+
+    @property
     def requires_layout(self) -> str | None:
         """Two models cannot share one transcript's KV cache: a separate rehearser writes from
         the isolated simulator prompt."""
