@@ -275,6 +275,11 @@ def pooled_table(outs: list[Path], rows: list[str]) -> str:
     """The rows over several finished sweeps of the same rows (one per seed, each on its own test
     tasks): each row against its warm start, and each row against the first, paired over the
     tasks of all the sweeps."""
+    for out in outs:
+        finished = json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else {}
+        if missing := [row for row in rows if f"compare-{row}" not in finished]:
+            raise SystemExit(f"--pool {out}: no finished rows {missing} there (results.json); pool sweeps that ran these --rows to the end")
+
     def evals(row: str) -> list[Path]:
         return [out / f"eval-{row}" for out in outs]
 

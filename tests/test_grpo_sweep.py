@@ -96,7 +96,7 @@ def test_the_pooled_table_compares_each_row_with_its_warm_start_and_the_first_ro
             (out / stage).mkdir(parents=True)
             (out / stage / "records.jsonl").write_text("".join(json.dumps({"task_id": f"t{i}", "success": s, "partial_credit": s}) + "\n"
                                                                for i, s in enumerate(successes)))
-        (out / "results.json").write_text(json.dumps({"warm-of-a": "warm", "warm-of-b": "warm"}))
+        (out / "results.json").write_text(json.dumps({"warm-of-a": "warm", "warm-of-b": "warm", "compare-a": {}, "compare-b": {}}))
         return out
 
     one = sweep("seed0", {"eval-warm": [0, 0], "eval-a": [1, 0], "eval-b": [1, 1]})
@@ -106,3 +106,7 @@ def test_the_pooled_table_compares_each_row_with_its_warm_start_and_the_first_ro
     assert lines[4].startswith("| a | its warm start | +0.000 [") and "(1/1, 4 tasks)" in lines[4]
     assert lines[5].startswith("| b | its warm start | +0.500 [") and "(2/0, 4 tasks)" in lines[5]
     assert lines[6].startswith("| b | a | +0.500 [") and "(2/0, 4 tasks)" in lines[6]
+    with pytest.raises(SystemExit, match=r"--pool .*seed0: no finished rows \['c'\] there"):
+        grpo_sweep.pooled_table([one, two], ["a", "c"])
+    with pytest.raises(SystemExit, match=r"--pool .*nowhere: no finished rows \['a'\]"):
+        grpo_sweep.pooled_table([tmp_path / "nowhere"], ["a"])
