@@ -33,10 +33,14 @@ import shutil
 import time
 from pathlib import Path
 
+import yaml
+
+from envace.config import to_dict
 from envace.demo import EVAL_SAMPLER_DTYPES, DemoConfig, compare, compare_fidelity, compare_pooled, evaluate_model, in_fresh_process, sft_config, train_config
 from envace.training.checkpoint import latest_checkpoint
 from envace.training.sft import run_sft
 from envace.training.trainer import run_train
+from envace.training.variants import VARIANTS
 
 # The rows measured before GRPO drew unseen tasks by default: they trained on the first training
 # tasks, the warm start's SFT tasks among them (rl_unseen_tasks off), and rerun as they were.
@@ -147,6 +151,36 @@ def take_trained(results: dict, other: Path) -> None:
     for name, value in theirs.items():
         if name.startswith(("sft", "train-")):
             results.setdefault(name, value)
+
+
+# What a finished GRPO run may differ in from the row that reuses it: where it was written, and how
+# it checkpointed and logged, none of which changes the weights it trained.
+NOT_TRAINING = ("output_dir", "resume", "save_every", "keep_last", "progress", "tensorboard", "wandb", "wandb_project")
+
+
+def effective_settings(flat: dict) -> dict:
+    """A TrainConfig's options as config.yaml writes them (lists, not tuples), with the simulator a
+    run without one named used: TrainConfig's default, the base --model."""
+    flat = yaml.safe_load(yaml.safe_dump(flat, sort_keys=False))
+    if flat.get("simulator_model") is None and VARIANTS.get(flat["variant"]).needs_simulator_model:
+        flat["simulator_model"] = flat["model"]
+    return flat
+
+
+def check_reused(results: dict, row: str, train) -> None:
+    """A finished GRPO run kept in results.json (a rerun of the sweep, or --trained) stands for `row`
+    only if it trained with the row's settings (its config.yaml against `train`, the row's TrainConfig
+    now): a rerun with other --steps, say, would otherwise report the old run under the new setting."""
+    saved = Path(results[f"train-{row}"]["result"]["run_dir"]) / "config.yaml"
+    if not saved.is_file():
+        raise SystemExit(f"row {row}'s finished GRPO run has no {saved}: it cannot be checked against the row; use another --out")
+    theirs, mine = (effective_settings(c) for c in (yaml.safe_load(saved.read_text()), to_dict(train)))
+    # a key the run's config predates had that option's behaviour before it existed: not compared
+    differ = [k for k in mine if k not in NOT_TRAINING and k in theirs and theirs[k] != mine[k]]
+    if differ:
+        was, now = (", ".join(f"{k}={c[k]!r}" for k in differ) for c in (theirs, mine))
+        raise SystemExit(f"row {row}'s finished GRPO run {saved.parent} trained with {was}; the row now asks for {now}: "
+                         f"use another --out (or --trained), or delete train-{row} from results.json to retrain it")
 
 
 def stage(results: dict, path: Path, name: str, fn) -> dict:
@@ -345,6 +379,8 @@ def run(out: Path, rows: list[str], settings: dict, defs: dict[str, dict] = ROWS
             start_as_copy(Path(results[f"train-{parent}"]["result"]["run_dir"]), run_dir)
         # a run that has checkpoints (interrupted, or a continued row's copy) goes on from the last one
         train.resume = latest_checkpoint(run_dir) is not None
+        if f"train-{row}" in results:
+            check_reused(results, row, train)
         trained_row = stage(results, path, f"train-{row}", (run_train, train))["result"]
         stage(results, path, f"eval-{row}", (evaluate_model, trained_row["final_model"], cfg, "real", out / f"eval-{row}"))
         if eval_rehearse:
@@ -365,8 +401,6 @@ def run(out: Path, rows: list[str], settings: dict, defs: dict[str, dict] = ROWS
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_sweep_options(p, "runs/sweep", ROWS)
-    p.add_argument("--trained", default=None, help="another sweep's --out (same seed): its finished warm starts and GRPO runs are this "
-                   "sweep's, evaluated here rather than retrained (e.g. with a larger --eval-per-world)")
     p.add_argument("--pool", default=None, help="comma-separated finished sweeps' --out (e.g. one per --seed): print --rows' comparisons "
                    "pooled over their test tasks, and run nothing")
     args = p.parse_args()
@@ -390,6 +424,8 @@ def add_sweep_options(p: argparse.ArgumentParser, out: str, defs: dict[str, dict
                    help="numerics of the evaluations; one per --out (benchmarks/eval_noise.py: how far each moves a score by batch width alone)")
     p.add_argument("--eval-rehearse", action="store_true", help="also evaluate each warm start and row in rehearse mode on the same test "
                    "tasks: the rehearser's fidelity on tasks no stage trained on (rerun with it to add these to a finished sweep)")
+    p.add_argument("--trained", default=None, help="another sweep's --out (same seed): its finished warm starts and GRPO runs are this "
+                   "sweep's, evaluated here rather than retrained (e.g. with a larger --eval-per-world); each run is checked against its row's settings")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ worlds' test split and the held-out world) and compared task by task with the wa
 
     python benchmarks/variants_experiment.py --out runs/experiment                  # every row, 120 test tasks
     python benchmarks/variants_experiment.py --out runs/experiment --warm runs/demo/sft/final --rows envace,act-only
+    python benchmarks/variants_experiment.py --out runs/exp120 --warm runs/demo/sft/final --trained runs/experiment --steps 3 --eval-per-world 24   # its models on more test tasks
 
 Rerun the same command to continue after an interruption: finished stages are kept in
 results.json, and a GRPO run resumes from its last checkpoint (saved every --save-every steps).
@@ -123,7 +124,7 @@ def main() -> None:
     out, rows = Path(args.out), args.rows.split(",")
     settings = {key: getattr(args, key) for key in grpo_sweep.SETTINGS}
     results = grpo_sweep.run(out, rows, settings, defs=experiment_rows(args.steps), warm=args.warm, eval_rehearse=args.eval_rehearse,
-                             save_every=args.save_every)
+                             trained=args.trained, save_every=args.save_every)
     base = DemoConfig(output_dir=str(out), progress=False, **settings)
     grpo_sweep.stage(results, out / "results.json", "eval-base", (evaluate_model, base.model, base, "real", out / "eval-base"))
     curves_plot(results, rows, out / "curves.png")

@@ -58,6 +58,36 @@ def test_another_sweeps_trained_stages_are_taken_and_its_evaluations_are_not(tmp
         grpo_sweep.take_trained({"seed": 1}, tmp_path)
 
 
+def test_a_finished_run_is_reused_only_for_a_row_with_its_training_settings(tmp_path):
+    import dataclasses
+
+    from envace.config import save
+    from envace.demo import train_config
+
+    warm = tmp_path / "warm"
+    warm.mkdir()
+    (warm / "config.json").write_text("{}")  # a model directory, as far as validation looks
+
+    def row_config(out, **change):
+        return train_config(dataclasses.replace(DemoConfig(), rl_rehearse_sft_coef=0.0, **change), out / "train-row", init_from=str(warm))
+
+    finished = row_config(tmp_path, rl_steps=3, rl_variant="simulator", rl_simulator_model="default")
+    finished.simulator_model = None  # written before the simulator was named: TrainConfig's default, the base model
+    save(finished, tmp_path / "train-row" / "config.yaml")
+    results = {"train-row": {"result": {"run_dir": str(tmp_path / "train-row")}}}
+    # where it was written and how it checkpointed do not change the weights: reused
+    elsewhere = row_config(tmp_path / "other", rl_steps=3, rl_variant="simulator", rl_simulator_model="default")
+    elsewhere.save_every = 1
+    grpo_sweep.check_reused(results, "row", elsewhere)
+    with pytest.raises(SystemExit, match=r"trained with steps=3; the row now asks for steps=6: use another --out"):
+        grpo_sweep.check_reused(results, "row", row_config(tmp_path, rl_steps=6, rl_variant="simulator", rl_simulator_model="default"))
+    with pytest.raises(SystemExit, match=r"trained with simulator_model='default'; the row now asks for simulator_model='.*warm'"):
+        grpo_sweep.check_reused(results, "row", row_config(tmp_path, rl_steps=3, rl_variant="simulator"))
+    (tmp_path / "train-row" / "config.yaml").unlink()
+    with pytest.raises(SystemExit, match="has no .*config.yaml: it cannot be checked"):
+        grpo_sweep.check_reused(results, "row", elsewhere)
+
+
 def test_the_table_shows_rehearsal_fidelity_per_step_and_on_the_test_tasks_where_measured():
     paired = {"mean_diff": 0.025, "ci95": [0.0, 0.075], "better": 1, "worse": 0}
     overall = {"success_rate": 0.1, "partial_credit": 0.2}
