@@ -4,7 +4,7 @@ worlds' test split and the held-out world) and compared task by task with the wa
 
     python benchmarks/variants_experiment.py --out runs/experiment                  # every row, 120 test tasks
     python benchmarks/variants_experiment.py --out runs/experiment --warm runs/demo/sft/final --rows envace,act-only
-    python benchmarks/variants_experiment.py --out runs/exp120 --warm runs/demo/sft/final --trained runs/experiment --steps 3 --eval-per-world 24   # its models on more test tasks
+    python benchmarks/variants_experiment.py --out runs/exp120 --warm runs/demo/sft/final --trained runs/exp40 --steps 3   # runs/exp40 (--steps 3 --eval-per-world 8) trained these; evaluated on 120 tasks
 
 Rerun the same command to continue after an interruption: finished stages are kept in
 results.json, and a GRPO run resumes from its last checkpoint (saved every --save-every steps).
