@@ -36,7 +36,7 @@ from pathlib import Path
 import yaml
 
 from envace.config import to_dict
-from envace.demo import EVAL_SAMPLER_DTYPES, DemoConfig, compare, compare_fidelity, compare_pooled, evaluate_model, in_fresh_process, sft_config, train_config
+from envace.demo import EVAL_SAMPLER_DTYPES, DemoConfig, compare, compare_fidelity, compare_pooled, evaluate_model, grpo_stage_config, in_fresh_process, sft_config
 from envace.training.checkpoint import latest_checkpoint
 from envace.training.sft import run_sft
 from envace.training.trainer import run_train
@@ -372,7 +372,7 @@ def run(out: Path, rows: list[str], settings: dict, defs: dict[str, dict] = ROWS
             if eval_rehearse:
                 stage(results, path, f"eval-rehearse-{name}", (evaluate_model, warm_starts[name], cfg, "rehearse", out / f"eval-rehearse-{name}"))
         run_dir = out / f"train-{row}"
-        train = train_config(cfg, run_dir, init_from=warm_starts[name])
+        train = grpo_stage_config(cfg, run_dir, init_from=warm_starts[name])
         if save_every:
             train.save_every = save_every
         if (parent := CONTINUES.get(row)) and f"train-{row}" not in results:

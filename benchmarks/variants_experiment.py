@@ -18,6 +18,9 @@ Rows (each the demo's GRPO stage, `envace demo`'s settings, with the one change 
   simulator          the frozen warm start answers the calls (the rehearser as it was before GRPO)
   simulator-base     the frozen base model answers the calls
   no-share           a second trained model rehearses (ACT and REHEARSE in separate weights)
+  world-free         envace on the world-free form of its training tasks (their reference
+                     responses recorded once, counted), rewarded by call F1 against the reference
+                     calls: no world during the GRPO stage (the partial-credit reward replays calls)
 The baselines' policies train no REHEARSE role in the agent's transcript, so they have nothing
 to ground. The staging (warm start, evaluations, paired comparisons) is benchmarks/grpo_sweep.py's.
 
@@ -47,6 +50,7 @@ VARIANT_ROWS: dict[str, dict] = {
     "simulator": {"rl_variant": "simulator", **UNGROUNDED},  # the frozen warm start answers
     "simulator-base": {"rl_variant": "simulator", "rl_simulator_model": "default", **UNGROUNDED},  # the frozen base model answers
     "no-share": {"rl_variant": "no-share", **UNGROUNDED},
+    "world-free": {"rl_world_free": True, "rl_reward": "reference"},
 }
 PURPOSES = ("rollout", "verification", "grounding")  # what a GRPO run executes in the real worlds (accounting.WorldExecutions)
 
@@ -63,7 +67,7 @@ def summary_table(results: dict, rows: list[str]) -> str:
 
     lines = [f"| row | success, training worlds ({', '.join(TRAIN_WORLDS)}) [95% CI] | success, held-out world ({', '.join(HELDOUT_WORLDS)}) [95% CI] "
              "| partial credit | success vs warm start [95% CI] (better/worse) | partial credit vs warm start "
-             f"| real-world executions in training ({' / '.join(PURPOSES)}) | train min |",
+             f"| real-world executions in training ({' / '.join(PURPOSES)} / recording world-free tasks) | train min |",
              "|---|---|---|---|---|---|---|---|"]
     models = [("base (untrained)", "eval-base", None), ("warm start (SFT)", "eval-warm", None)]
     models += [(row, f"eval-{row}", row) for row in rows if f"compare-{row}" in results]
@@ -78,11 +82,16 @@ def summary_table(results: dict, rows: list[str]) -> str:
         else:
             cmp, train = results[f"compare-{row}"], results[f"train-{row}"]
             versus = f"{grpo_sweep.paired(cmp['success'])} | {grpo_sweep.paired(cmp['partial_credit'])}"
-            calls = " / ".join(str(train["result"]["world_executions"][p]) for p in PURPOSES)
+            calls = " / ".join([*(str(train["result"]["world_executions"][p]) for p in PURPOSES), str(recorded(train))])
             minutes = f"{train['seconds'] / 60:.1f}"
         lines.append(f"| {label} | {pooled_success(ev, set(TRAIN_WORLDS))} | {pooled_success(ev, set(HELDOUT_WORLDS))} | "
                      f"{ev['overall']['partial_credit']:.3f} | {versus or ' | '} | {calls} | {minutes} |")
     return "\n".join(lines) + "\n"
+
+
+def recorded(train: dict) -> int:
+    """What recording a row's world-free training tasks executed (its chain's task data; 0 for world tasks)."""
+    return train["result"].get("chain_world_executions", {}).get("task_data", 0)
 
 
 def warm_start_executions(results: dict, rows: list[str]) -> str:
@@ -96,7 +105,8 @@ def warm_start_executions(results: dict, rows: list[str]) -> str:
 
 def curves_plot(results: dict, rows: list[str], path: Path) -> Path | None:
     """Per finished row: the rollouts' mean reward per GRPO step, against the step and against the
-    real-world executions the run had spent by then (rollouts, verification and grounding)."""
+    real-world executions the run had spent by then (rollouts, verification and grounding, after
+    what recording its world-free tasks cost up front)."""
     from matplotlib.figure import Figure
 
     curves = {row: results[f"curve-{row}"] for row in rows if f"curve-{row}" in results}
@@ -107,7 +117,8 @@ def curves_plot(results: dict, rows: list[str], path: Path) -> Path | None:
     for row, curve in curves.items():
         reward = [c["reward/mean"] for c in curve]
         by_step.plot([c["step"] for c in curve], reward, marker="o", label=row)
-        by_cost.plot([c.get("env/total_total", 0) for c in curve], reward, marker="o", label=row)
+        up_front = recorded(results[f"train-{row}"]) if f"train-{row}" in results else 0
+        by_cost.plot([up_front + (c.get("env/total_total") or 0) for c in curve], reward, marker="o", label=row)
     by_step.set(xlabel="GRPO step", ylabel="rollout reward (partial credit)", title="reward per step")
     by_cost.set(xlabel="real-world executions spent in training", ylabel="rollout reward (partial credit)", title="reward per real-world cost")
     return grpo_sweep.save_plot(fig, (by_step, by_cost), path)

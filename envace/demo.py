@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from envace.config import ConfigError, build, field
+from envace.config import ConfigError, build, field, to_dict
 from envace.evaluation.report import markdown_table, pooled_success
 
 BASE, SFT, TRAINED = "base", "SFT", "SFT + rehearsal GRPO"
@@ -65,7 +65,11 @@ class DemoConfig:
                                               "carry a signal (8 x 4 for 6 steps from the 24-per-world warm start: +9/-0 of 120 test tasks with it, "
                                               "+3/-0 without; benchmarks/grpo_sweep.py, docs/training.md)")
     rl_unseen_tasks: bool = field(True, help="GRPO on training tasks the warm start was not trained on (off: the first ones, the SFT's own among them)")
-    rl_reward: str = field("partial", help="GRPO reward: partial (the verifier's partial credit: signal before a task is solved) or replay (0/1)")
+    rl_reward: str = field("partial", help="GRPO reward: partial (the verifier's partial credit: signal before a task is solved), replay (0/1), "
+                                           "or reference (call F1 against the reference calls: no world runs)")
+    rl_world_free: bool = field(False, help="GRPO on the world-free form of its training tasks (their references recorded once into the run's "
+                                            "task file, counted as task data): no world during the stage; needs --rl-reward reference "
+                                            "(benchmarks/variants_experiment.py's world-free row)")
     difficulty: int = field(1, help="task difficulty for training and evaluation")
     eval_sampler_dtype: str = field("f32", help="numerics of the greedy evaluations (f32, bf16, auto). f32: the same trajectories whatever "
                                                 "else is in the batch; bf16 changed 25 of 120 with the rollouts in flight, 2 of them in "
@@ -91,8 +95,8 @@ class DemoConfig:
         if self.rl_grounding and self.rl_rehearse_sft_coef:
             raise ConfigError("rl_grounding rehearses from the isolated simulator prompt, and rl_rehearse_sft_coef (on by default) trains "
                               "tool responses in the agent's transcript: pass --rl-rehearse-sft-coef 0 with --rl-grounding")
-        if self.rl_reward not in ("partial", "replay"):
-            raise ConfigError(f"rl_reward must be partial or replay, got {self.rl_reward!r}")
+        if self.rl_reward not in ("partial", "replay", "reference"):
+            raise ConfigError(f"rl_reward must be partial, replay or reference, got {self.rl_reward!r}")
         if self.eval_sampler_dtype not in EVAL_SAMPLER_DTYPES:
             raise ConfigError(f"eval_sampler_dtype must be auto, f32 or bf16, got {self.eval_sampler_dtype!r}")
         if self.difficulty not in (1, 2, 3):
@@ -115,6 +119,13 @@ class DemoConfig:
             raise ConfigError(f"rl_grounding grounds the rehearser's prompt; --rl-variant {self.rl_variant} does not rehearse")
         if self.rl_simulator_model != "warm" and not variant.needs_simulator_model:
             raise ConfigError(f"rl_simulator_model is read by --rl-variant simulator only; drop it for --rl-variant {self.rl_variant}")
+        if self.rl_world_free:
+            needs = {f"--rl-reward {self.rl_reward}": self.rl_reward != "reference", f"--rl-variant {self.rl_variant}": variant.rollout_mode == "real",
+                     "--rl-real-fraction": bool(self.rl_real_fraction)}
+            if used := [flag for flag, runs_world in needs.items() if runs_world]:
+                rehearsing = [name for name in VARIANTS.names() if VARIANTS.get(name).rollout_mode != "real"]
+                raise ConfigError(f"--rl-world-free trains with no world, and {', '.join(used)} needs one: use --rl-reward reference, "
+                                  f"a --rl-variant that does not roll out in the world ({', '.join(rehearsing)}) and no --rl-real-fraction")
 
 
 def evaluate_model(model: str, cfg: DemoConfig, mode: str, out: Path, max_active: int | None = None) -> dict[str, Any]:
@@ -234,6 +245,24 @@ def train_config(cfg: DemoConfig, output_dir: Path, init_from: str | None = None
                                                 rehearse_layout="isolated" if isolated else "transcript", grounding=cfg.rl_grounding)))
 
 
+def grpo_stage_config(cfg: DemoConfig, output_dir: Path, init_from: str) -> Any:
+    """The GRPO stage's config once its warm start exists: train_config, and with rl_world_free the
+    training tasks it would draw (built-in, the warm start's own left out) written world-free to
+    the run's task file, their references executed once (the file's sidecar; the chain counts it
+    as task data)."""
+    from envace.envs.export import write_task_file
+    from envace.training.trainer import TrainConfig, load_train_tasks
+
+    train = train_config(cfg, output_dir, init_from=init_from)
+    if not cfg.rl_world_free:
+        return train
+    tasks_file = output_dir / "tasks.world-free.jsonl"
+    tasks = load_train_tasks(train)
+    write_task_file(tasks, tasks_file, world=False, source=f"the demo's GRPO tasks (builtin:train seed={cfg.seed} difficulty={cfg.difficulty}, "
+                                                          f"{len(tasks)} not in {init_from}'s training data)")
+    return build(TrainConfig, {**to_dict(train), "tasks": str(tasks_file)})
+
+
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     from envace.backends.models import machine_facts
     from envace.training.plots import story_plot
@@ -261,7 +290,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     stages = {} if cfg.tiny else {BASE: evaluate("base", cfg.model)}  # a tiny model has no base to evaluate
     warm = stage("warm start (SFT on real-world trajectories)", run_sft, sft)["final_model"]
     stages[SFT] = evaluate("sft", warm)
-    train = train_config(cfg, root / "train", init_from=warm)  # the warm start exists only now
+    train = grpo_stage_config(cfg, root / "train", init_from=warm)  # the warm start exists only now
     train_result = stage("train with world rehearsal (role-level GRPO)", run_train, train)
     trained = train_result["final_model"]
     label = trained_label(cfg.rl_variant)
@@ -324,10 +353,14 @@ def report_markdown(summary: dict[str, Any], root: Path) -> str:
               "| metric | mean difference [95% CI] | better | worse | same | tasks |", "|---|---|---|---|---|---|",
               _paired_line("success", summary["paired"]["success"]), _paired_line("partial credit", summary["paired"]["partial_credit"])]
     calls = summary["train"]["world_executions"]
+    # rl_world_free: recording its tasks' references is what the stage cost in world access
+    task_data = summary["train"]["chain_world_executions"].get("task_data", 0)
+    recorded = f", {task_data} recorded the world-free training tasks' references" if task_data else ""
     lines += ["", f"Real-world executions during the GRPO stage: **{calls['rollout']}** while rolling out, "
               f"**{calls['verification']}** to verify (the reward re-runs ACT's committed calls on a fresh world "
               f"to score them; the policy never sees those results), {calls['grounding']} for grounding; "
-              f"{summary['train']['chain_world_executions']['sft_data']} made the warm start's data.", "",
+              f"{summary['train']['chain_world_executions']['sft_data']} made the warm start's data"
+              f"{recorded}.", "",
               "## Per world after training (real world)", "", markdown_table(summary["stages"][label]), "",
               "## Stages", "", "Each stage runs in a fresh process: the demo's peak memory is its largest stage's.", "",
               "| stage | seconds | peak RSS GiB |", "|---|---|---|"]

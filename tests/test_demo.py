@@ -39,6 +39,14 @@ def test_demo_config_refuses_variant_settings_the_variant_does_not_read():
         build(DemoConfig, {"rl_variant": "simulator", "rl_rehearse_sft_coef": 0.0, "rl_grounding": True})
     with pytest.raises(ConfigError, match="rl_simulator_model is read by --rl-variant simulator only; drop it for --rl-variant envace"):
         build(DemoConfig, {"rl_simulator_model": "default"})
+    # a world-free GRPO stage refuses, by the demo's flags, each setting that would run a world
+    with pytest.raises(ConfigError, match="--rl-world-free trains with no world, and --rl-reward partial needs one: use --rl-reward reference"):
+        build(DemoConfig, {"rl_world_free": True})
+    with pytest.raises(ConfigError, match="and --rl-variant real-grpo needs one: .*does not roll out in the world "
+                                          r"\(act-only, envace, no-share, simulator\)"):
+        build(DemoConfig, {"rl_world_free": True, "rl_reward": "reference", "rl_variant": "real-grpo", "rl_rehearse_sft_coef": 0.0})
+    with pytest.raises(ConfigError, match="and --rl-real-fraction needs one"):
+        build(DemoConfig, {"rl_world_free": True, "rl_reward": "reference", "rl_real_fraction": 0.5})
 
 
 def test_demo_grpo_stage_takes_grounding_real_fraction_and_group_filtering_into_its_train_config(tmp_path):
@@ -65,6 +73,29 @@ def test_demo_grpo_stage_takes_grounding_real_fraction_and_group_filtering_into_
     assert train_config(build(DemoConfig, simulator), tmp_path, init_from=str(warm)).simulator_model == str(warm)
     assert train_config(build(DemoConfig, simulator | {"rl_simulator_model": "default"}), tmp_path, init_from=str(warm)).simulator_model == "default"
     assert train_config(build(DemoConfig, {}), tmp_path, init_from=str(warm)).simulator_model is None  # envace has no simulator
+
+
+def test_a_world_free_grpo_stage_trains_on_its_tasks_world_free_form_and_counts_recording_them(tmp_path):
+    from envace.demo import grpo_stage_config, train_config
+    from envace.envs.tasks import builtin_tasks
+    from envace.manifest import build_manifest, scenario_keys, write_manifest
+
+    cfg = build(DemoConfig, {"rl_world_free": True, "rl_reward": "reference"})
+    warm = tmp_path / "warm"
+    world_tasks = builtin_tasks("train", 16, difficulty=1, seed=0)
+    write_manifest(build_manifest(world_tasks[:3], None), warm)  # the warm start trained on three of them
+    (warm / "config.json").write_text("{}")
+    train = grpo_stage_config(cfg, tmp_path / "train", init_from=str(warm))
+    assert (train.tasks, train.reward, train.variant, train.rehearse_sft_coef) == (str(tmp_path / "train" / "tasks.world-free.jsonl"), "reference", "envace", 0.5)
+    written = [json.loads(line) for line in Path(train.tasks).read_text().splitlines()]
+    # the tasks the built-in draw would train on: 16 per world, the warm start's own scenarios left out (others drawn in their place)
+    drawn = builtin_tasks("train", 16, difficulty=1, seed=0, exclude=scenario_keys(world_tasks[:3]))
+    assert [t["id"] for t in written] == [t.id for t in drawn] and not {t.id for t in world_tasks[:3]} & {t["id"] for t in written}
+    assert all(t.get("world") is None and t["reference"] for t in written)  # no world to run; a recorded reference to ground and reward with
+    # one execution per reference call, recorded once: what the stage cost in world access
+    sidecar = json.loads(Path(train.tasks + ".export.json").read_text())
+    assert sidecar["world_executions"] == sum(len(t.reference_calls) for t in drawn) > 0
+    assert train_config(cfg, tmp_path / "train", init_from=str(warm)).tasks is None  # the pure config draws built-in tasks
 
 
 def test_default_demo_evaluates_at_least_40_tasks_across_all_worlds():
@@ -115,6 +146,18 @@ def test_demo_pipeline_with_a_baseline_variant_names_it_and_counts_its_world_run
     # the rollouts' executions as the run counted them (the tiny model's calls are mostly malformed: often 0)
     run = [json.loads(line) for line in (Path(summary["train"]["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     assert calls["rollout"] == run[-1]["env/rollout_total"]
+
+
+@pytest.mark.slow
+def test_a_world_free_demo_runs_no_world_in_its_grpo_stage_and_reports_what_recording_its_tasks_cost(tmp_path):
+    cfg = build(DemoConfig, dict(tiny=True, output_dir=str(tmp_path), eval_per_world=1, sft_per_world=2, sft_epochs=1, rl_world_free=True,
+                                 rl_reward="reference", rl_steps=1, rl_tasks_per_step=1, rl_k=2, max_turn_tokens=16, progress=False))
+    summary = run_demo(cfg)
+    calls, chain = summary["train"]["world_executions"], summary["train"]["chain_world_executions"]
+    assert (calls["rollout"], calls["verification"], calls["grounding"]) == (0, 0, 0)
+    recorded = json.loads((tmp_path / "train" / "tasks.world-free.jsonl.export.json").read_text())["world_executions"]
+    assert chain["task_data"] == recorded > 0 and chain["sft_data"] > 0
+    assert f", {recorded} recorded the world-free training tasks' references." in (tmp_path / "report.md").read_text()
 
 
 def test_each_demo_stage_runs_in_a_fresh_process_and_reports_its_peak_memory():

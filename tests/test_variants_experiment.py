@@ -18,8 +18,10 @@ def test_every_variant_is_a_row_of_the_demos_grpo_stage_with_only_that_changed(t
     assert configs["envace"].rehearse_sft_coef == 0.5 and configs["envace-ungrounded"].rehearse_sft_coef == 0.0
     for name, cfg in configs.items():
         assert cfg.steps == 6 and (cfg.lr, cfg.k, cfg.tasks_per_step, cfg.seed) == (demo.lr, demo.k, demo.tasks_per_step, demo.seed)
-        if name not in ("envace", "envace-ungrounded"):
+        if name not in ("envace", "envace-ungrounded", "world-free"):
             assert (cfg.variant, cfg.rehearse_sft_coef) == (name.removesuffix("-base"), 0.0)
+    # world-free: envace, grounded, rewarded without a world (its task file: tests/test_demo.py)
+    assert configs["world-free"] == train_config(dataclasses.replace(DemoConfig(), rl_steps=6, rl_reward="reference"), tmp_path)
     # the simulator rows differ in the frozen model that answers: the warm start (once it exists), or the base model
     warm = tmp_path / "warm"
     warm.mkdir()
@@ -49,7 +51,12 @@ def test_the_summary_counts_each_rows_world_executions_by_purpose_and_compares_i
     results["train-act-only"]["result"]["chain_world_executions"] = {"sft_data": 182}
     assert "| 182 (its SFT data) |" in variants_experiment.summary_table(results, ["act-only"]).splitlines()[3]
     assert lines[4] == ("| act-only | 1.00 [0.34, 1.00] (n=2) | 0.00 [0.00, 0.66] (n=2) | 0.500 | +0.250 [+0.000, +0.500] (1/0) "
-                        "| +0.250 [+0.000, +0.500] (1/0) | 0 / 31 / 0 | 10.0 |")
+                        "| +0.250 [+0.000, +0.500] (1/0) | 0 / 31 / 0 / 0 | 10.0 |")
+    # a world-free row's executions: recording its tasks' references, up front
+    results |= {"compare-world-free": results["compare-act-only"], "eval-world-free": overall(1.0, 0.5),
+                "train-world-free": {"seconds": 60.0, "result": {"world_executions": {"rollout": 0, "verification": 0, "grounding": 0},
+                                                                 "chain_world_executions": {"sft_data": 182, "task_data": 138}}}}
+    assert variants_experiment.summary_table(results, ["world-free"]).splitlines()[4].endswith("| 0 / 0 / 0 / 138 | 1.0 |")
 
 
 def test_the_curves_put_each_rows_reward_against_steps_and_against_real_world_executions(tmp_path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from envace.accounting import export_sidecar
@@ -37,22 +38,31 @@ class ExportConfig:
 def export_tasks(cfg: ExportConfig) -> dict[str, Any]:
     """Write the tasks; returns {"tasks", "world_executions", "source"} (the sidecar's content
     with --no-world; world tasks execute nothing here)."""
-    from envace.envs.tasks import builtin_tasks, save_tasks
+    from envace.envs.tasks import builtin_tasks
 
     tasks = builtin_tasks(cfg.split, cfg.n_per_world, worlds=cfg.worlds or None, difficulty=cfg.difficulty, seed=cfg.seed)
     source = f"builtin:{cfg.split} seed={cfg.seed} difficulty={cfg.difficulty or 'mixed'} worlds={','.join(sorted({t.world for t in tasks}))}"
+    return write_task_file(tasks, cfg.output, world=cfg.world, source=source)
+
+
+def write_task_file(tasks: list[Task], output: str | Path, world: bool, source: str) -> dict[str, Any]:
+    """Write world tasks to `output` as they are, or (world=False) in their world-free form with
+    the executions that recorded their references in the sidecar; returns the provenance
+    ({"tasks", "world_executions", "source"})."""
+    from envace.envs.tasks import save_tasks
+
     executions = 0
-    if not cfg.world:
+    if not world:
         tasks, executions = world_free_tasks(tasks)
-    save_tasks(tasks, cfg.output)
+    save_tasks(tasks, output)
     provenance = {"tasks": len(tasks), "world_executions": executions, "source": source}
-    sidecar = export_sidecar(cfg.output)
-    if cfg.world:
+    sidecar = export_sidecar(output)
+    if world:
         sidecar.unlink(missing_ok=True)  # an earlier --no-world export's count no longer describes the file
-        print(f"wrote {len(tasks)} tasks to {cfg.output}")
+        print(f"wrote {len(tasks)} tasks to {output}")
         return provenance
     sidecar.write_text(json.dumps(provenance, indent=2) + "\n", encoding="utf-8")
-    print(f"exported {len(tasks)} tasks; {executions} tool executions at export time (wrote {cfg.output} and {sidecar})")
+    print(f"exported {len(tasks)} tasks; {executions} tool executions at export time (wrote {output} and {sidecar})")
     return provenance
 
 
