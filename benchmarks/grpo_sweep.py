@@ -336,13 +336,14 @@ SETTINGS = {"seed": 0, "eval_per_world": DemoConfig().eval_per_world, "eval_samp
 
 
 def run(out: Path, rows: list[str], settings: dict, defs: dict[str, dict] = ROWS, warm: str | None = None, eval_rehearse: bool = False,
-        trained: str | None = None, save_every: int | None = None) -> dict:
+        trained: str | None = None, save_every: int | None = None, eval_max_active: int | None = None) -> dict:
     """Train and evaluate `rows` (their DemoConfig changes in `defs`) under the sweep's `settings`
     (SETTINGS' keys) in `out`, keeping every finished stage in out/results.json; returns it.
     warm: an existing warm start instead of training one; eval_rehearse: also evaluate in
     rehearse mode; trained: take another sweep's trained stages; save_every: checkpoint each GRPO
     run every N steps, so that a run interrupted mid-way resumes from its last checkpoint (by
-    default a run saves once, at its end)."""
+    default a run saves once, at its end); eval_max_active: rollouts in flight per evaluation (None:
+    the rollout's default, every task at once)."""
     if unknown := [r for r in rows if r not in defs]:
         raise SystemExit(f"unknown rows {unknown}: choose from {list(defs)}")
     out.mkdir(parents=True, exist_ok=True)
@@ -368,9 +369,9 @@ def run(out: Path, rows: list[str], settings: dict, defs: dict[str, dict] = ROWS
         if name not in warm_starts:
             sft_stage = "sft" if name == "warm" else f"sft-{name}"
             warm_starts[name] = warm or stage(results, path, sft_stage, (run_sft, sft_config(cfg, out / sft_stage)))["result"]["final_model"]
-            stage(results, path, f"eval-{name}", (evaluate_model, warm_starts[name], cfg, "real", out / f"eval-{name}"))
+            stage(results, path, f"eval-{name}", (evaluate_model, warm_starts[name], cfg, "real", out / f"eval-{name}", eval_max_active))
             if eval_rehearse:
-                stage(results, path, f"eval-rehearse-{name}", (evaluate_model, warm_starts[name], cfg, "rehearse", out / f"eval-rehearse-{name}"))
+                stage(results, path, f"eval-rehearse-{name}", (evaluate_model, warm_starts[name], cfg, "rehearse", out / f"eval-rehearse-{name}", eval_max_active))
         run_dir = out / f"train-{row}"
         train = grpo_stage_config(cfg, run_dir, init_from=warm_starts[name])
         if save_every:
@@ -382,9 +383,9 @@ def run(out: Path, rows: list[str], settings: dict, defs: dict[str, dict] = ROWS
         if f"train-{row}" in results:
             check_reused(results, row, train)
         trained_row = stage(results, path, f"train-{row}", (run_train, train))["result"]
-        stage(results, path, f"eval-{row}", (evaluate_model, trained_row["final_model"], cfg, "real", out / f"eval-{row}"))
+        stage(results, path, f"eval-{row}", (evaluate_model, trained_row["final_model"], cfg, "real", out / f"eval-{row}", eval_max_active))
         if eval_rehearse:
-            stage(results, path, f"eval-rehearse-{row}", (evaluate_model, trained_row["final_model"], cfg, "rehearse", out / f"eval-rehearse-{row}"))
+            stage(results, path, f"eval-rehearse-{row}", (evaluate_model, trained_row["final_model"], cfg, "rehearse", out / f"eval-rehearse-{row}", eval_max_active))
         results[f"warm-of-{row}"] = name
         results[f"compare-{row}"] = compare(out / f"eval-{name}", out / f"eval-{row}")
         if f"eval-rehearse-{name}" in results and f"eval-rehearse-{row}" in results:
@@ -408,7 +409,7 @@ def main() -> None:
         print(pooled_table([Path(o) for o in args.pool.split(",")], args.rows.split(",")))
         return
     run(Path(args.out), args.rows.split(","), {key: getattr(args, key) for key in SETTINGS}, warm=args.warm, eval_rehearse=args.eval_rehearse,
-        trained=args.trained)
+        trained=args.trained, eval_max_active=args.eval_max_active)
 
 
 def add_sweep_options(p: argparse.ArgumentParser, out: str, defs: dict[str, dict], eval_per_world: int = DemoConfig().eval_per_world) -> None:
@@ -424,6 +425,8 @@ def add_sweep_options(p: argparse.ArgumentParser, out: str, defs: dict[str, dict
                    help="numerics of the evaluations; one per --out (benchmarks/eval_noise.py: how far each moves a score by batch width alone)")
     p.add_argument("--eval-rehearse", action="store_true", help="also evaluate each warm start and row in rehearse mode on the same test "
                    "tasks: the rehearser's fidelity on tasks no stage trained on (rerun with it to add these to a finished sweep)")
+    p.add_argument("--eval-max-active", type=int, default=None, help="rollouts in flight per evaluation (default: every test task at once; "
+                   "120 peaked at 7.7 GiB, 40 at 4.6). With --eval-sampler-dtype f32 the trajectories do not depend on it")
     p.add_argument("--trained", default=None, help="another sweep's --out (same seed): its finished warm starts and GRPO runs are this "
                    "sweep's, evaluated here rather than retrained (e.g. with a larger --eval-per-world); each run is checked against its row's settings")
 

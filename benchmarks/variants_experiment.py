@@ -135,9 +135,9 @@ def main() -> None:
     out, rows = Path(args.out), args.rows.split(",")
     settings = {key: getattr(args, key) for key in grpo_sweep.SETTINGS}
     results = grpo_sweep.run(out, rows, settings, defs=experiment_rows(args.steps), warm=args.warm, eval_rehearse=args.eval_rehearse,
-                             trained=args.trained, save_every=args.save_every)
+                             trained=args.trained, save_every=args.save_every, eval_max_active=args.eval_max_active)
     base = DemoConfig(output_dir=str(out), progress=False, **settings)
-    grpo_sweep.stage(results, out / "results.json", "eval-base", (evaluate_model, base.model, base, "real", out / "eval-base"))
+    grpo_sweep.stage(results, out / "results.json", "eval-base", (evaluate_model, base.model, base, "real", out / "eval-base", args.eval_max_active))
     curves_plot(results, rows, out / "curves.png")
     text = (f"Command: `python benchmarks/variants_experiment.py {shlex.join(sys.argv[1:])}`\n\n{summary_table(results, rows)}\n"
             f"Per step (benchmarks/grpo_sweep.py's table):\n\n{grpo_sweep.table(results, rows, experiment_rows(args.steps))}")
