@@ -116,11 +116,15 @@ def curves_plot(results: dict, rows: list[str], path: Path) -> Path | None:
     by_step, by_cost = fig.subplots(1, 2)
     for row, curve in curves.items():
         reward = [c["reward/mean"] for c in curve]
-        by_step.plot([c["step"] for c in curve], reward, marker="o", label=row)
+        # a row rewarded otherwise (world-free: call F1) is on another scale: its label says so
+        other = VARIANT_ROWS.get(row, {}).get("rl_reward")
+        label = f"{row} (reward: {other})" if other else row
+        by_step.plot([c["step"] for c in curve], reward, marker="o", label=label)
         up_front = recorded(results[f"train-{row}"]) if f"train-{row}" in results else 0
-        by_cost.plot([up_front + (c.get("env/total_total") or 0) for c in curve], reward, marker="o", label=row)
-    by_step.set(xlabel="GRPO step", ylabel="rollout reward (partial credit)", title="reward per step")
-    by_cost.set(xlabel="real-world executions spent in training", ylabel="rollout reward (partial credit)", title="reward per real-world cost")
+        by_cost.plot([up_front + (c.get("env/total_total") or 0) for c in curve], reward, marker="o", label=label)
+    ylabel = "rollout reward (partial credit unless named)"
+    by_step.set(xlabel="GRPO step", ylabel=ylabel, title="reward per step")
+    by_cost.set(xlabel="real-world executions spent in training", ylabel=ylabel, title="reward per real-world cost")
     return grpo_sweep.save_plot(fig, (by_step, by_cost), path)
 
 
