@@ -356,9 +356,10 @@ def report_markdown(summary: dict[str, Any], root: Path) -> str:
     # rl_world_free: recording its tasks' references is what the stage cost in world access
     task_data = summary["train"]["chain_world_executions"].get("task_data", 0)
     recorded = f", {task_data} recorded the world-free training tasks' references" if task_data else ""
+    # what verifying means, where the reward verified anything (a world-free reward does not)
+    why = " (the reward re-runs ACT's committed calls on a fresh world to score them; the policy never sees those results)" if calls["verification"] else ""
     lines += ["", f"Real-world executions during the GRPO stage: **{calls['rollout']}** while rolling out, "
-              f"**{calls['verification']}** to verify (the reward re-runs ACT's committed calls on a fresh world "
-              f"to score them; the policy never sees those results), {calls['grounding']} for grounding; "
+              f"**{calls['verification']}** to verify{why}, {calls['grounding']} for grounding; "
               f"{summary['train']['chain_world_executions']['sft_data']} made the warm start's data"
               f"{recorded}.", "",
               "## Per world after training (real world)", "", markdown_table(summary["stages"][label]), "",

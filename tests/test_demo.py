@@ -157,7 +157,9 @@ def test_a_world_free_demo_runs_no_world_in_its_grpo_stage_and_reports_what_reco
     assert (calls["rollout"], calls["verification"], calls["grounding"]) == (0, 0, 0)
     recorded = json.loads((tmp_path / "train" / "tasks.world-free.jsonl.export.json").read_text())["world_executions"]
     assert chain["task_data"] == recorded > 0 and chain["sft_data"] > 0
-    assert f", {recorded} recorded the world-free training tasks' references." in (tmp_path / "report.md").read_text()
+    report = (tmp_path / "report.md").read_text()
+    assert f", {recorded} recorded the world-free training tasks' references." in report
+    assert "**0** to verify, 0 for grounding" in report  # no replay to explain
 
 
 def test_each_demo_stage_runs_in_a_fresh_process_and_reports_its_peak_memory():
