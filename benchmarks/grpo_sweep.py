@@ -426,7 +426,7 @@ def add_sweep_options(p: argparse.ArgumentParser, out: str, defs: dict[str, dict
     p.add_argument("--eval-rehearse", action="store_true", help="also evaluate each warm start and row in rehearse mode on the same test "
                    "tasks: the rehearser's fidelity on tasks no stage trained on (rerun with it to add these to a finished sweep)")
     p.add_argument("--eval-max-active", type=int, default=None, help="rollouts in flight per evaluation (default: every test task at once; "
-                   "120 peaked at 7.7 GiB, 40 at 4.6). With --eval-sampler-dtype f32 the trajectories do not depend on it")
+                   "120 test tasks all at once peaked at 9.7 GiB, 40 at a time at 6.3-7.3; docs/training.md). With --eval-sampler-dtype f32 the trajectories do not depend on it")
     p.add_argument("--trained", default=None, help="another sweep's --out (same seed): its finished warm starts and GRPO runs are this "
                    "sweep's, evaluated here rather than retrained (e.g. with a larger --eval-per-world); each run is checked against its row's settings")
 
