@@ -193,6 +193,11 @@ def stage(results: dict, path: Path, name: str, fn) -> dict:
     return results[name]
 
 
+def evaluation_stage(results: dict, out: Path, name: str, model: str, cfg: DemoConfig, mode: str = "real", max_active: int | None = None) -> dict:
+    """The stage `name`: `model` evaluated under cfg's settings in `mode`, written to out/name."""
+    return stage(results, out / "results.json", name, (evaluate_model, model, cfg, mode, out / name, max_active))
+
+
 def training_curve(run_dir: str) -> list[dict]:
     """Per step: the rollouts' mean reward, success, partial credit, malformed outputs and rehearsal
     fidelity (rehearse mode), the grounding loss where --rehearse-sft-coef trained one, and the
@@ -360,6 +365,12 @@ def run(out: Path, rows: list[str], settings: dict, defs: dict[str, dict] = ROWS
     for cfg in configs.values():
         cfg.validate()  # every row fails here, before any model loads
     check_continued(rows, base, results)
+    def evaluate(name: str, model: str, cfg: DemoConfig) -> None:
+        """eval-<name> and, with eval_rehearse, eval-rehearse-<name>."""
+        evaluation_stage(results, out, f"eval-{name}", model, cfg, "real", eval_max_active)
+        if eval_rehearse:
+            evaluation_stage(results, out, f"eval-rehearse-{name}", model, cfg, "rehearse", eval_max_active)
+
     needed = sorted({warm_name(cfg) for cfg in configs.values()})
     if warm and len(needed) > 1:
         raise SystemExit(f"--warm is one warm start, but these rows need different ones: {needed}")
@@ -369,9 +380,7 @@ def run(out: Path, rows: list[str], settings: dict, defs: dict[str, dict] = ROWS
         if name not in warm_starts:
             sft_stage = "sft" if name == "warm" else f"sft-{name}"
             warm_starts[name] = warm or stage(results, path, sft_stage, (run_sft, sft_config(cfg, out / sft_stage)))["result"]["final_model"]
-            stage(results, path, f"eval-{name}", (evaluate_model, warm_starts[name], cfg, "real", out / f"eval-{name}", eval_max_active))
-            if eval_rehearse:
-                stage(results, path, f"eval-rehearse-{name}", (evaluate_model, warm_starts[name], cfg, "rehearse", out / f"eval-rehearse-{name}", eval_max_active))
+            evaluate(name, warm_starts[name], cfg)
         run_dir = out / f"train-{row}"
         train = grpo_stage_config(cfg, run_dir, init_from=warm_starts[name])
         if save_every:
@@ -383,9 +392,7 @@ def run(out: Path, rows: list[str], settings: dict, defs: dict[str, dict] = ROWS
         if f"train-{row}" in results:
             check_reused(results, row, train)
         trained_row = stage(results, path, f"train-{row}", (run_train, train))["result"]
-        stage(results, path, f"eval-{row}", (evaluate_model, trained_row["final_model"], cfg, "real", out / f"eval-{row}", eval_max_active))
-        if eval_rehearse:
-            stage(results, path, f"eval-rehearse-{row}", (evaluate_model, trained_row["final_model"], cfg, "rehearse", out / f"eval-rehearse-{row}", eval_max_active))
+        evaluate(row, trained_row["final_model"], cfg)
         results[f"warm-of-{row}"] = name
         results[f"compare-{row}"] = compare(out / f"eval-{name}", out / f"eval-{row}")
         if f"eval-rehearse-{name}" in results and f"eval-rehearse-{row}" in results:

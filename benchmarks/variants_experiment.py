@@ -39,7 +39,7 @@ import sys
 from pathlib import Path
 
 from benchmarks import grpo_sweep
-from envace.demo import DemoConfig, evaluate_model
+from envace.demo import DemoConfig
 
 UNGROUNDED = {"rl_rehearse_sft_coef": 0.0}
 VARIANT_ROWS: dict[str, dict] = {
@@ -141,7 +141,7 @@ def main() -> None:
     results = grpo_sweep.run(out, rows, settings, defs=experiment_rows(args.steps), warm=args.warm, eval_rehearse=args.eval_rehearse,
                              trained=args.trained, save_every=args.save_every, eval_max_active=args.eval_max_active)
     base = DemoConfig(output_dir=str(out), progress=False, **settings)
-    grpo_sweep.stage(results, out / "results.json", "eval-base", (evaluate_model, base.model, base, "real", out / "eval-base", args.eval_max_active))
+    grpo_sweep.evaluation_stage(results, out, "eval-base", base.model, base, max_active=args.eval_max_active)
     curves_plot(results, rows, out / "curves.png")
     text = (f"Command: `python benchmarks/variants_experiment.py {shlex.join(sys.argv[1:])}`\n\n{summary_table(results, rows)}\n"
             f"Per step (benchmarks/grpo_sweep.py's table):\n\n{grpo_sweep.table(results, rows, experiment_rows(args.steps))}")
