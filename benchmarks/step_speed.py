@@ -6,21 +6,24 @@ everything measured side by side in ONE run (so the ratios hold on a noisy, shar
     python benchmarks/step_speed.py --skip step           # leave out the GRPO-step comparison
 
 Sections (each one a function below; figures are for the default model, SmolLM2-135M):
-  machine   fp32 and bf16 matmul GFLOP/s measured now (2048^3), and from them the model's
-            matmul-bound token rate: GFLOP/s / (2 x matmul parameters) tokens/s;
+  machine   fp32 and bf16 matmul GFLOP/s measured now (2048^3; bf16 at 512^3 on a CPU that
+            emulates it, where 2048^3 takes a minute), and from them the model's matmul-bound
+            token rate: GFLOP/s / (2 x matmul parameters) tokens/s;
   decode    batch-1, 8 and 32 decode tok/s after a real tool prompt: envace's HF backend through
             transformers' forward (the reference), through the lean path in fp32 and in bf16
-            (envace/backends/lean.py; bf16 is the default sampler here) and with int8 weight copies
-            for small batches (--sampler-dtype int8), and llama.cpp on the model's
-            own Q4_1 GGUF (what a user would otherwise run);
-  prefill   tokens/s encoding 8 different prompts, transformers' forward and the lean bf16 path;
-  update    forward+backward of the PPO loss on K=4 rollouts of 2 tasks: fp32 vs bf16 autocast,
-            separate rows vs shared-prefix packing; forwarded tokens and effective GFLOP/s;
+            (envace/backends/lean.py; the row marked "default here" is --sampler-dtype auto on this
+            machine) and with int8 weight copies for small batches (--sampler-dtype int8, over bf16
+            or fp32 as this CPU gets it), and llama.cpp on the model's own Q4_1 GGUF (what a user
+            would otherwise run);
+  prefill   tokens/s encoding 8 different prompts, transformers' forward and the default lean path;
+  update    forward+backward of the PPO loss on K=4 rollouts of 2 tasks: fp32 vs bf16 autocast
+            (bf16 only where the CPU has it natively: emulated, it would take hours), separate
+            rows vs shared-prefix packing; forwarded tokens and effective GFLOP/s;
   step      `envace train`'s step with today's settings vs the old ones (transformers' forward,
-            fp32, no packing) and the previous ones (transformers' forward sampling, bf16 packed
-            update), same seeds, same tasks;
-  greedy    greedy real-mode actions on 10 fixed tasks: lean fp32 and lean bf16 against
-            transformers' forward (identical, or the bf16 logprob mismatch reported).
+            fp32, no packing) and the previous ones (transformers' forward sampling, packed
+            update), same seeds, same tasks; precisions and sampler dtypes as auto picks them here;
+  greedy    greedy real-mode actions on 10 fixed tasks: each lean engine against transformers'
+            forward (identical, or the logprob mismatch reported).
 Writes benchmarks/results/step_speed.json and prints the Markdown table of docs/performance.md.
 """
 
@@ -36,6 +39,8 @@ import torch
 
 from envace.backends import HFGenerator, load_model
 from envace.backends.base import SamplingParams
+from envace.backends.lean import decode_settings
+from envace.backends.models import native_bf16
 
 RESULTS = Path("benchmarks/results/step_speed.json")
 DOCS = Path("docs/performance.md")
@@ -60,10 +65,11 @@ def matmul_params(model: Any) -> int:
 
 
 def machine(model: Any) -> dict[str, float]:
-    out = {"threads": torch.get_num_threads(), "matmul_params": matmul_params(model)}
+    out = {"threads": torch.get_num_threads(), "matmul_params": matmul_params(model), "native_bf16": native_bf16()}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
-        out[f"matmul_gflops_{name}"] = 2 * 2048**3 / best_of(4, lambda: a @ b) / 1e9
+        n = 2048 if dtype == torch.float32 or native_bf16() else 512
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        out[f"matmul_gflops_{name}"] = 2 * n**3 / best_of(4, lambda: a @ b) / 1e9
         out[f"token_limit_{name}"] = out[f"matmul_gflops_{name}"] * 1e9 / (2 * out["matmul_params"])
     return out
 
@@ -96,17 +102,30 @@ def decode_rate(generator: Any, prompt: list[int], batch: int, new_tokens: int) 
     return {"tok_per_s": batch * new_tokens / decode_s, "prefill_s": prefill_s, "decode_s": decode_s}
 
 
-HF_ENGINES: dict[str, dict[str, Any]] = {
-    "envace HF, transformers' forward, fp32 (before)": dict(lean=False),
-    "envace HF, lean path, fp32": {},
-    "envace HF, lean path, bf16 (default here)": dict(dtype=torch.bfloat16),
-    "envace HF, lean path, int8 weights for <= 8 rows": dict(dtype=torch.bfloat16, int8=True),
-}
+REFERENCE = "envace HF, transformers' forward, fp32 (before)"
+
+
+def hf_engines(model: Any) -> dict[str, dict[str, Any]]:
+    """The HF backend's engines (HFGenerator keywords), the reference first; " (default here)"
+    marks what --sampler-dtype auto runs on this machine."""
+    auto = decode_settings("auto", model)
+    int8 = decode_settings("int8", model)
+    engines = {
+        REFERENCE: dict(lean=False),
+        "envace HF, lean path, fp32": dict(dtype=None, int8=False),
+        "envace HF, lean path, bf16": dict(dtype=torch.bfloat16, int8=False),
+        f"envace HF, lean path, int8 weights for <= 8 rows over {'bf16' if int8['dtype'] == torch.bfloat16 else 'fp32'}": int8,
+    }
+    return {name + (" (default here)" if kw == auto else ""): kw for name, kw in engines.items()}
+
+
+def default_engine(model: Any) -> str:
+    return next(name for name in hf_engines(model) if name.endswith("(default here)"))
 
 
 def decode(model: Any, tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
     prompt = tool_prompt(tokenizer)
-    engines: dict[str, Callable[[], Any]] = {name: (lambda kw=kw: HFGenerator(model, tokenizer, **kw)) for name, kw in HF_ENGINES.items()}
+    engines: dict[str, Callable[[], Any]] = {name: (lambda kw=kw: HFGenerator(model, tokenizer, **kw)) for name, kw in hf_engines(model).items()}
     if llamacpp_available():
         from envace.backends.llamacpp import LlamaCppGenerator
 
@@ -130,8 +149,9 @@ def prefill(model: Any, tokenizer: Any, args: argparse.Namespace) -> dict[str, A
     base = tool_prompt(tokenizer)
     prompts = [[tokenizer.eos_token_id] * i + base for i in range(8)]  # different prompts: nothing shared
     out: dict[str, Any] = {"tokens": sum(map(len, prompts))}
-    for name in (next(iter(HF_ENGINES)), "envace HF, lean path, bf16 (default here)"):
-        generator = HFGenerator(model, tokenizer, **HF_ENGINES[name])
+    engines = hf_engines(model)
+    for name in (REFERENCE, default_engine(model)):
+        generator = HFGenerator(model, tokenizer, **engines[name])
 
         def call() -> None:
             sessions = generator.open(len(prompts))
@@ -172,7 +192,7 @@ def update(model: Any, tokenizer: Any, limits: dict[str, float], args: argparse.
     trained = sum(sum(r.loss_mask) for r in rows)
     out: dict[str, Any] = {"rows": len(rows), "trained_tokens": trained}
     model.train()
-    for precision in ("fp32", "bf16"):
+    for precision in ("fp32", "bf16") if native_bf16() else ("fp32",):
         accelerator = make_accelerator(precision)
         for share in (False, True):
             forwarded = forwarded_tokens(pack_shared_prefixes(rows) if share else rows)
@@ -197,13 +217,19 @@ def update(model: Any, tokenizer: Any, limits: dict[str, float], args: argparse.
     return out
 
 
-# "lean": False runs the sampler through transformers' forward, as envace did before the lean path.
-STEP_SETTINGS = {
-    "before (transformers' forward sampling, fp32 update, one row per rollout)": dict(precision="fp32", share_prefix=False, sampler_dtype="f32", lean=False),
-    "previous (transformers' forward sampling, bf16 update, shared prefix)": dict(precision="auto", share_prefix=True, sampler_dtype="f32", lean=False),
-    "now (lean bf16 sampler, bf16 update, shared prefix: the defaults)": dict(precision="auto", share_prefix=True),
-    "now with --sampler-dtype int8": dict(precision="auto", share_prefix=True, sampler_dtype="int8"),
-}
+def step_settings(model: Any) -> dict[str, dict[str, Any]]:
+    """The steps compared, named by what auto resolves to on this machine. "lean": False runs the
+    sampler through transformers' forward, as envace did before the lean path."""
+    from envace.training.setup import resolve_precision
+
+    update = resolve_precision("auto")
+    sampler = "bf16" if decode_settings("auto", model)["dtype"] == torch.bfloat16 else "fp32"
+    return {
+        "before (transformers' forward sampling, fp32 update, one row per rollout)": dict(precision="fp32", share_prefix=False, sampler_dtype="f32", lean=False),
+        f"previous (transformers' forward sampling, {update} update, shared prefix)": dict(precision="auto", share_prefix=True, sampler_dtype="f32", lean=False),
+        f"now (lean {sampler} sampler, {update} update, shared prefix: the defaults)": dict(precision="auto", share_prefix=True),
+        "now with --sampler-dtype int8": dict(precision="auto", share_prefix=True, sampler_dtype="int8"),
+    }
 
 
 def step_child(settings: dict[str, Any]) -> None:
@@ -232,7 +258,7 @@ def alternating(task: Any, traj: Any, ctx: Any) -> tuple[float, dict]:
     return float(traj.group % 2), {}
 
 
-def step(args: argparse.Namespace) -> dict[str, Any]:
+def step(model: Any, args: argparse.Namespace) -> dict[str, Any]:
     import subprocess
     import sys
     import tempfile
@@ -241,7 +267,7 @@ def step(args: argparse.Namespace) -> dict[str, Any]:
                 reward="step_speed:alternating",  # the child runs this file as a script: benchmarks/ is on its path
                 rollout=dict(max_turn_tokens=96, max_rehearse_tokens=128))
     out: dict[str, Any] = {}
-    for name, settings in STEP_SETTINGS.items():
+    for name, settings in step_settings(model).items():
         with tempfile.TemporaryDirectory() as run_dir:
             child = json.dumps(dict(demo, **settings, output_dir=run_dir))
             proc = subprocess.run([sys.executable, __file__, "--child-step", child], capture_output=True, text=True)
@@ -264,7 +290,7 @@ def llamacpp_available() -> bool:
 
 def same_greedy_actions(model: Any, tokenizer: Any) -> dict[str, Any]:
     """Greedy real-mode rollouts of 10 fixed test tasks (2 per world, difficulty 1), each engine of
-    HF_ENGINES on the same model: identical ACT tokens to transformers' forward? For the bf16 path
+    hf_engines on the same model: identical ACT tokens to transformers' forward? For the lean paths
     also the logprob mismatch of the tokens both chose, until the first difference."""
     from envace.envs.environment import WorldEnvironment
     from envace.envs.tasks import builtin_tasks
@@ -274,17 +300,17 @@ def same_greedy_actions(model: Any, tokenizer: Any) -> dict[str, Any]:
     tasks = builtin_tasks("test", 2, difficulty=1)
     config = RolloutConfig(mode="real", temperature=0.0, max_turns=6, max_turn_tokens=96)
     acts, logprobs, out = {}, {}, {"tasks": len(tasks), "seconds": {}, "identical": {}, "logprob_mismatch": {}}
-    for name, kw in HF_ENGINES.items():
+    engines = hf_engines(model)
+    for name, kw in engines.items():
         start = time.perf_counter()
         groups = RolloutEngine(HFGenerator(model, tokenizer, **kw), WorldEnvironment(), config).run(tasks, k=1)
         out["seconds"][name] = time.perf_counter() - start
         acts[name] = [[tok for turn in g[0].outputs(Role.ACT) for tok in turn.token_ids] for g in groups]
         logprobs[name] = [[lp for turn in g[0].outputs(Role.ACT) for lp in turn.logprobs] for g in groups]
-    reference = next(iter(HF_ENGINES))
-    for name in HF_ENGINES:
-        out["identical"][name] = sum(a == b for a, b in zip(acts[name], acts[reference]))
+    for name in engines:
+        out["identical"][name] = sum(a == b for a, b in zip(acts[name], acts[REFERENCE]))
         gaps = []
-        for a, b, la, lb in zip(acts[name], acts[reference], logprobs[name], logprobs[reference]):
+        for a, b, la, lb in zip(acts[name], acts[REFERENCE], logprobs[name], logprobs[REFERENCE]):
             common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             gaps += [abs(x - y) for x, y in zip(la[:common], lb[:common])]
         out["logprob_mismatch"][name] = {"mean": sum(gaps) / max(1, len(gaps)), "max": max(gaps, default=0.0), "tokens": len(gaps)}
@@ -294,24 +320,28 @@ def same_greedy_actions(model: Any, tokenizer: Any) -> dict[str, Any]:
 def table(r: dict[str, Any]) -> str:
     """The Markdown of docs/performance.md: every figure next to what bounds it, from this run."""
     m = r["machine"]
-    lines = [f"Machine now: fp32 matmul {m['matmul_gflops_fp32']:.0f} GFLOP/s, bf16 {m['matmul_gflops_bf16']:.0f} GFLOP/s, "
+    # Ratios to the bf16 bound only where bf16 is native: an emulated bf16 "bound" is no limit.
+    bounds = ("fp32", "bf16") if m.get("native_bf16", True) else ("fp32",)
+    lines = [f"Machine now: fp32 matmul {m['matmul_gflops_fp32']:.0f} GFLOP/s, bf16 {m['matmul_gflops_bf16']:.1f} GFLOP/s"
+             f"{'' if m.get('native_bf16', True) else ' (emulated: no native bf16)'}, "
              f"{m['threads']} threads; {m['matmul_params'] / 1e6:.0f}M matmul parameters, so the matmul-bound token rate is "
-             f"{m['token_limit_fp32']:.0f} tok/s in fp32 and {m['token_limit_bf16']:.0f} in bf16.", ""]
+             f"{m['token_limit_fp32']:.0f} tok/s in fp32" + (f" and {m['token_limit_bf16']:.0f} in bf16." if "bf16" in bounds else "."), ""]
     if "decode" in r:
         d = r["decode"]
         lines += [f"Decode after a {d['prompt_tokens']}-token tool prompt, {d['new_tokens']} new tokens, greedy (aggregate tok/s):", "",
-                  "| engine | batch 1 | batch 8 | batch 32 | batch 32 / fp32 matmul bound | batch 32 / bf16 matmul bound |", "|---|---|---|---|---|---|"]
+                  "| engine | batch 1 | batch 8 | batch 32 | " + " | ".join(f"batch 32 / {b} matmul bound" for b in bounds) + " |",
+                  "|---|---|---|---|" + "---|" * len(bounds)]
         for name, v in d.items():
             if isinstance(v, dict):
                 cells = [f"{v[b]['tok_per_s']:.1f}" if b in v else "" for b in ("batch1", "batch8", "batch32")]
-                bounds = [f"{v['batch32']['tok_per_s'] / m[f'token_limit_{p}']:.0%}" if "batch32" in v else "" for p in ("fp32", "bf16")]
-                lines.append(f"| {name} | {' | '.join(cells)} | {' | '.join(bounds)} |")
+                ratios = [f"{v['batch32']['tok_per_s'] / m[f'token_limit_{b}']:.0%}" if "batch32" in v else "" for b in bounds]
+                lines.append(f"| {name} | {' | '.join(cells)} | {' | '.join(ratios)} |")
         lines.append("")
     if "prefill" in r:
         p = r["prefill"]
         lines += [f"Prefill (8 different prompts, {p['tokens']} tokens): "
-                  + "; ".join(f"{name}: {v['tok_per_s']:.0f} tok/s = {v['tok_per_s'] / m['token_limit_fp32']:.0%} of the fp32 matmul bound, "
-                              f"{v['tok_per_s'] / m['token_limit_bf16']:.0%} of the bf16 one" for name, v in p.items() if isinstance(v, dict)) + ".", ""]
+                  + "; ".join(f"{name}: {v['tok_per_s']:.0f} tok/s = " + ", ".join(f"{v['tok_per_s'] / m[f'token_limit_{b}']:.0%} of the {b} matmul bound" for b in bounds)
+                              for name, v in p.items() if isinstance(v, dict)) + ".", ""]
     if "update" in r:
         u = r["update"]
         lines += [f"Update (forward + backward of the PPO loss, {u['rows']} rows = 2 tasks x K, {u['trained_tokens']:.0f} trained tokens):", "",
@@ -383,7 +413,7 @@ def main() -> None:
     if "greedy" not in args.skip:
         results["greedy"] = same_greedy_actions(model, tokenizer)
     if "step" not in args.skip:
-        results["step"] = step(args)
+        results["step"] = step(model, args)
     # The matmul peak again at the end, and the better of the two: a shared machine measured once
     # can read low (the first run of this script measured 104 GFLOP/s fp32 at the start, while its
     # prefill alone then ran at 154% of that "bound").

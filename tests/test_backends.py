@@ -149,6 +149,7 @@ def test_prefill_never_reencodes_prefix(model, tokenizer, prompts):
     assert gen.stats.prefill_tokens == fed + len(ids) * (len(turns) - 1)  # + one pending sampled token per later call
     assert gen.stats.generated_tokens == len(ids) * (5 + 1 + 7)
     assert gen.stats.prefill_tokens + gen.stats.extra["decode_tokens"] == sum(len(s) for s in sequences) - len(ids)
+    assert gen.stats.extra["decode_steps"] == (5 - 1) + (1 - 1) + (7 - 1)  # one batched forward per token after each call's first
     assert gen.cache_tokens() == sum(len(s) for s in sequences) - len(ids)
     assert gen.stats.calls == 3
 

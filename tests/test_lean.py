@@ -154,11 +154,12 @@ def test_sampler_dtype_settings(tokenizer, monkeypatch):
     model = tiny_model(tokenizer)
     monkeypatch.setattr("envace.backends.models.native_bf16", lambda: True)
     assert decode_settings("auto", model) == {"dtype": torch.bfloat16, "int8": False}
+    assert decode_settings("int8", model) == {"dtype": torch.bfloat16, "int8": True}
     monkeypatch.setattr("envace.backends.models.native_bf16", lambda: False)
     assert decode_settings("auto", model) == {"dtype": None, "int8": False}  # emulated bf16 is slower than fp32
     assert decode_settings("f32", model) == {"dtype": None, "int8": False}
     assert decode_settings("bf16", model) == {"dtype": torch.bfloat16, "int8": False}
-    assert decode_settings("int8", model) == {"dtype": torch.bfloat16, "int8": True}
+    assert decode_settings("int8", model) == {"dtype": None, "int8": True}  # int8 over the model's own fp32 there
     with pytest.raises(ValueError, match="f32, bf16 or int8.*llama.cpp"):
         decode_settings("q8_0", model)
 
@@ -171,22 +172,25 @@ def test_int8_weights_by_hand():
     assert q.tolist() == [[64, -127, 32], [127, 64, -32]]  # 63.5 -> 64, 31.75 -> 32 (round half to even only at .5 exactly)
 
 
-def test_int8_decode_uses_the_int8_copies_for_small_batches_only(tokenizer, prompts, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_decode_uses_the_int8_copies_for_small_batches_only(tokenizer, prompts, monkeypatch, dtype):
     """Matmuls over <= INT8_MAX_ROWS rows (decode steps, the LM head of a few rows) run the int8
-    kernel, a prompt's prefill the bf16 weights; logprobs stay near the bf16 path's."""
+    kernel with bf16 activations (its fast path), a prompt's prefill the `dtype` weights; logprobs
+    stay near the `dtype` path's. fp32 is the int8 setting's base on CPUs that emulate bf16."""
     model = tiny_model(tokenizer, seed=4)
     calls = []
     real = torch._weight_int8pack_mm
-    monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda x, w, s: calls.append(x.shape[0]) or real(x, w, s))
-    gen = HFGenerator(model, tokenizer, dtype=torch.bfloat16, int8=True)
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda x, w, s: calls.append((x.shape[0], x.dtype)) or real(x, w, s))
+    gen = HFGenerator(model, tokenizer, dtype=dtype, int8=True)
     ids = gen.open(2)
     long_prompts = [prompts[2] * 2, prompts[0] * 2]
     outs = gen.generate(ids, long_prompts, SamplingParams(max_new_tokens=6, temperature=0.0))
-    assert calls and max(calls) <= INT8_MAX_ROWS  # the 2-row decode steps went through int8 ...
+    assert calls and max(rows for rows, _ in calls) <= INT8_MAX_ROWS  # the 2-row decode steps went through int8 ...
+    assert {x_dtype for _, x_dtype in calls} == {torch.bfloat16}
     assert sum(map(len, long_prompts)) > INT8_MAX_ROWS  # ... and the prefill (more rows) did not
-    bf16 = HFGenerator(model, tokenizer, dtype=torch.bfloat16)
-    ref = bf16.generate(bf16.open(2), long_prompts, SamplingParams(max_new_tokens=1, temperature=0.0))
-    # The first token: bf16 prefill, then the 2-row LM head in int8; close to the bf16 path's.
+    plain = HFGenerator(model, tokenizer, dtype=dtype)
+    ref = plain.generate(plain.open(2), long_prompts, SamplingParams(max_new_tokens=1, temperature=0.0))
+    # The first token: `dtype` prefill, then the 2-row LM head in int8; close to the plain path's.
     assert all(abs(o.logprobs[0] - r.logprobs[0]) < 0.05 for o, r in zip(outs, ref))
     with pytest.raises(ValueError, match="lean decode path"):
         HFGenerator(tiny_model(tokenizer, hidden_act="gelu"), tokenizer, dtype=torch.bfloat16, int8=True)

@@ -216,7 +216,7 @@ def test_bf16_asked_for_on_a_cpu_that_emulates_it_warns_by_name(monkeypatch, nat
     monkeypatch.setattr(models, "native_bf16", lambda: native)
     monkeypatch.setattr(models.torch.cuda, "is_available", lambda: False)
     for option, make in (("--precision bf16", lambda: build(SFTConfig, {"precision": "bf16"})),
-                         ("--sampler-dtype int8", lambda: RolloutConfig(sampler_dtype="int8").validate())):
+                         ("--sampler-dtype bf16", lambda: RolloutConfig(sampler_dtype="bf16").validate())):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             make()
@@ -225,3 +225,4 @@ def test_bf16_asked_for_on_a_cpu_that_emulates_it_warns_by_name(monkeypatch, nat
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         build(SFTConfig, {"precision": "auto"})  # auto never warns: it picks fp32 on such a CPU
+        RolloutConfig(sampler_dtype="int8").validate()  # int8 keeps fp32 activations on such a CPU

@@ -563,15 +563,19 @@ def test_process_metrics_merge_when_the_processes_report_different_keys():
 def test_sampler_rates_come_from_the_counts_of_all_processes():
     """Two processes: 100 and 200 tokens in 1 s and 3 s (clock mean 2 s), 100 prompt tokens looked
     up with 0 hits and 300 with 100. The step's rates are 300 / 2 = 150 tokens/s and 100 / 400 =
-    0.25, not the mean of the processes' rates (0.167)."""
+    0.25, not the mean of the processes' rates (0.167). 90 tokens fed back in 30 batched decode
+    forwards: 3 rows per decode step."""
     from envace.training.trainer import sampler_rates
 
     summed = {"sampler/policy-rehearse/generated_tokens": 300.0, "time/sampler/policy-rehearse/seconds": 2.0,
               "sampler/policy-rehearse/prefix_cache_queries": 400.0, "sampler/policy-rehearse/prefix_cache_hits": 100.0,
+              "sampler/policy-rehearse/decode_tokens": 90.0, "sampler/policy-rehearse/decode_steps": 30.0,
               "sampler/simulator/generated_tokens": 0.0, "time/sampler/simulator/seconds": 0.0}
     rates = sampler_rates(summed)
     assert rates["time/sampler/policy-rehearse/generated_tokens_per_s"] == 150.0
     assert rates["sampler/policy-rehearse/prefix_cache_hit_rate"] == 0.25
+    assert rates["sampler/policy-rehearse/rows_per_decode_step"] == 3.0
+    assert "sampler/simulator/rows_per_decode_step" not in rates
     assert "time/sampler/simulator/generated_tokens_per_s" not in rates and "sampler/simulator/prefix_cache_hit_rate" not in rates
 
 

@@ -19,7 +19,9 @@ One call = one batch
 Prefill accounting (exact)
     `stats.prefill_tokens` counts the real (non-pad) tokens encoded by the prefill forward of each
     call: the pending token plus `new_tokens[i]`. `stats.extra["decode_tokens"]` counts sampled
-    tokens fed back one at a time. For a session after k calls:
+    tokens fed back one at a time, `stats.extra["decode_steps"]` the batched forwards that fed them
+    (decode_tokens / decode_steps = rows per decode forward, what bounds a rollout's speed on a
+    CPU: docs/performance.md). For a session after k calls:
         prefill == sum(len(new_tokens)) + (k - 1)
         prefill + decode == len(sequence) - 1
     i.e. nothing is ever encoded twice.
@@ -203,7 +205,7 @@ class HFGenerator:
         self.tokenizer = tokenizer
         self.max_batch = max_batch
         self.share_prompts = share_prompts  # encode a prompt once for the sessions that start from it
-        self.stats = GenStats(extra={"decode_tokens": 0})
+        self.stats = GenStats(extra={"decode_tokens": 0, "decode_steps": 0})
         self.device = next(model.parameters()).device
         self.pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -347,6 +349,7 @@ class HFGenerator:
             batch.feed(tokens)
             logits = batch.forward()
             self.stats.extra["decode_tokens"] += len(active)
+            self.stats.extra["decode_steps"] += 1
 
         for s, new, out in zip(states, new_tokens, outputs):
             s.tokens += list(new) + out

@@ -21,7 +21,7 @@ Numerics
     the bf16 model's: the logprobs it returns are that distribution's, and a trainer must treat them
     as another policy's (recompute + truncated importance weights; `envace.training.trainer`).
     With int8 copies (`--sampler-dtype int8`), matmuls of at most INT8_MAX_ROWS rows use the
-    int8 weights: each token's logprob is that of the weights that drew it.
+    int8 weights (and bf16 activations): each token's logprob is that of the weights that drew it.
 
 Weight refresh
     The packed copies are rebuilt whenever any parameter of the live module changed: every in-place
@@ -55,14 +55,17 @@ def decode_settings(setting: str, model: Any) -> dict[str, Any]:
     """`HFGenerator`'s numerics keywords for a `--sampler-dtype` setting: dtype (None = the
     model's own) and int8. auto picks bf16 where it is fast and close enough to train from: native
     bf16 matmuls (`native_bf16`) and the lean path (transformers' forward would need a bf16 model).
-    int8 (CPU, lean path) adds int8 weight copies for small decode batches, on top of bf16."""
+    int8 (CPU, lean path) adds int8 weight copies for small decode batches (multiplied with bf16
+    activations), on top of bf16 where the CPU multiplies bf16 natively and of the model's own fp32
+    elsewhere: an emulated bf16 GEMM of a prefill or a large batch is 30-80x slower than fp32,
+    while the int8 kernel runs bf16 activations fast on such CPUs too (docs/performance.md)."""
     from envace.backends.models import native_bf16
 
     if setting == "auto":
         return {"dtype": torch.bfloat16 if native_bf16() and lean_support(model) is None else None, "int8": False}
     if setting not in ("f32", "bf16", "int8"):
         raise ValueError(f"a local (transformers) sampler decodes in f32, bf16 or int8, not {setting!r} (f16 and q8_0 are llama.cpp's)")
-    dtype = torch.float32 if setting == "f32" else torch.bfloat16
+    dtype = torch.float32 if setting == "f32" or (setting == "int8" and not native_bf16()) else torch.bfloat16
     return {"dtype": None if dtype == model.dtype else dtype, "int8": setting == "int8"}
 
 
@@ -96,12 +99,16 @@ class _Proj:
         rows = x.numel() // x.shape[-1]
         if self.int8 is None or rows > INT8_MAX_ROWS:
             return F.linear(x, self.weight, self.bias)
-        y = torch._weight_int8pack_mm(x.reshape(rows, x.shape[-1]), self.int8, self.scales).view(*x.shape[:-1], -1)
+        # The kernel's fast path takes bf16 activations (scales' dtype), also on CPUs without native
+        # bf16; fp32 activations fall to a reference loop measured 10-24x slower than fp32 dense.
+        y = torch._weight_int8pack_mm(x.reshape(rows, x.shape[-1]).to(self.scales.dtype), self.int8, self.scales)
+        y = y.view(*x.shape[:-1], -1).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 
-def _quantized(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per output channel: weight ~= int8 * scale[:, None], from the fp32 weight."""
+def _quantized(weight: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output channel: weight ~= int8 * scale[:, None], from the fp32 weight;
+    the scales in `dtype`, the activations' dtype the kernel will see."""
     scales = weight.float().abs().amax(dim=1).clamp(min=1e-12) / 127
     return (weight.float() / scales[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous(), scales.to(dtype)
 
@@ -122,8 +129,8 @@ class LeanWeights:
     """The packed, `dtype` copy of a live module's weights, rebuilt when any parameter changed."""
 
     def __init__(self, model: Any, dtype: torch.dtype, int8: bool = False):
-        if int8 and (dtype != torch.bfloat16 or next(model.parameters()).device.type != "cpu"):
-            raise ValueError("int8 decode runs torch's CPU int8 weight-only kernel with bf16 activations: a CPU model and dtype bf16")
+        if int8 and (dtype not in (torch.bfloat16, torch.float32) or next(model.parameters()).device.type != "cpu"):
+            raise ValueError("int8 decode runs torch's CPU int8 weight-only kernel: a CPU model, and dtype bf16 or fp32 for the rest")
         self.model = model
         self.dtype = dtype
         self.int8 = int8
@@ -173,7 +180,7 @@ class LeanWeights:
             full = torch.cat([state[n] for n in names]) if len(names) > 1 else state[names[0]]
             out = _Proj(get(names[0]) if len(names) == 1 else full.to(self.dtype).contiguous(), cat(*bias) if bias else None)
             if self.int8:
-                out.int8, out.scales = _quantized(full, self.dtype)
+                out.int8, out.scales = _quantized(full)
             return out
 
         self.embed = get("model.embed_tokens.weight")
@@ -262,7 +269,7 @@ class StaticBatch:
             mask[:, :, start:] |= torch.eye(n, dtype=torch.bool, device=valid.device)
         logits = self._forward(self.input_ids, positions, mask, start)
         self.length = end
-        return logits[self.live].float() if len(self.live) < len(logits) else logits.float()
+        return logits.float()
 
     @torch.inference_mode()
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, start: int) -> torch.Tensor:
@@ -298,7 +305,9 @@ class StaticBatch:
             h = F.rms_norm(x, (hidden,), layer.norm_post, w.eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
-        return w.lm_head(F.rms_norm(x[:, -1], (hidden,), w.norm, w.eps))
+        # The LM head (a fifth of the weights, ~40% of a few-row decode step) only for live rows.
+        last = x[:, -1] if len(self.live) == rows else x[self.live, -1]
+        return w.lm_head(F.rms_norm(last, (hidden,), w.norm, w.eps))
 
     def feed(self, tokens: torch.Tensor) -> None:
         """Queue one sampled token per live row for the next forward (finished rows get padding)."""

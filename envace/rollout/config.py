@@ -36,7 +36,8 @@ class RolloutConfig:
     sampler_dtype: Literal["auto", "f32", "bf16", "int8", "f16", "q8_0"] = field(
         "auto", help="weights and KV cache a local model samples with: auto = bf16 where the CPU/GPU computes bf16 natively and the lean "
                      "decode path covers the model (docs/performance.md), else the model's own; f32 = the model's own numerics; "
-                     "int8 = bf16 plus int8 weight copies for decode steps of <= 8 rows (CPU; fastest, largest logprob mismatch); "
+                     "int8 = int8 weight copies for decode steps of <= 8 rows, over bf16 where the CPU has native bf16 and fp32 elsewhere "
+                     "(CPU; fastest, largest logprob mismatch); "
                      "f16 and q8_0 only for train --sampler llamacpp (whose auto is f32)")
 
     def validate(self) -> None:
@@ -49,7 +50,7 @@ class RolloutConfig:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.sampler_dtype == "int8" and torch.cuda.is_available():
             raise ConfigError("--sampler-dtype int8 runs torch's CPU int8 kernel, and this machine samples on its GPU: use bf16 (or auto)")
-        if self.sampler_dtype in ("bf16", "int8"):  # int8 decodes with bf16 activations
+        if self.sampler_dtype == "bf16":  # int8 keeps fp32 activations where bf16 is emulated
             from envace.backends.models import warn_if_bf16_is_emulated
 
             warn_if_bf16_is_emulated(f"--sampler-dtype {self.sampler_dtype}")

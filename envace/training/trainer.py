@@ -850,7 +850,8 @@ def reward_component_means(groups: list[list[Trajectory]]) -> dict[str, float]:
 def sampler_rates(metrics: dict[str, float]) -> dict[str, float]:
     """`metrics` with each sampler stream's rates for the step, from its counts over all processes
     (so a rate is the whole step's, not a mean of the processes' rates): generated tokens per
-    second of the processes' mean rollout clock, and the prefix-cache hit rate."""
+    second of the processes' mean rollout clock, the prefix-cache hit rate, and the rows per
+    batched decode forward (few rows per forward is what slows a CPU rollout)."""
     out = dict(metrics)
     for key in metrics:
         parts = key.split("/")
@@ -863,6 +864,8 @@ def sampler_rates(metrics: dict[str, float]) -> dict[str, float]:
             out[f"time/sampler/{stream}/generated_tokens_per_s"] = metrics[key] / seconds
         if queries:
             out[f"sampler/{stream}/prefix_cache_hit_rate"] = hits / queries
+        if steps := metrics.get(f"sampler/{stream}/decode_steps", 0.0):
+            out[f"sampler/{stream}/rows_per_decode_step"] = metrics.get(f"sampler/{stream}/decode_tokens", 0.0) / steps
     return out
 
 
