@@ -298,7 +298,9 @@ def same_greedy_actions(model: Any, tokenizer: Any) -> dict[str, Any]:
     from envace.types import Role
 
     tasks = builtin_tasks("test", 2, difficulty=1)
-    config = RolloutConfig(mode="real", temperature=0.0, max_turns=6, max_turn_tokens=96)
+    # 4 rollouts in flight: every batch has <= lean.INT8_MAX_ROWS rows, so the int8 engine's copies
+    # run (with all 10 at once, a base model's one long turn each never went below 9 rows).
+    config = RolloutConfig(mode="real", temperature=0.0, max_turns=6, max_turn_tokens=96, max_active=4)
     acts, logprobs, out = {}, {}, {"tasks": len(tasks), "seconds": {}, "identical": {}, "logprob_mismatch": {}}
     engines = hf_engines(model)
     for name, kw in engines.items():
