@@ -47,7 +47,8 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, kv_h
 
 # Decode steps of at most this many rows multiply by int8 weight copies (`--sampler-dtype int8`):
 # measured on the development CPU, torch's int8 weight-only kernel reads a quarter of fp32's bytes
-# and beats the bf16 GEMM up to ~8 rows, then loses to it (docs/performance.md).
+# and beats the bf16 GEMM up to ~8 rows, then loses to it; on an AVX2 CPU it beats fp32 dense up
+# to 4-8 rows, the LM head's up to 12 (docs/performance.md, benchmarks/int8_kernels.py).
 INT8_MAX_ROWS = 8
 
 
@@ -106,11 +107,11 @@ class _Proj:
         return y if self.bias is None else y + self.bias
 
 
-def _quantized(weight: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantized(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per output channel: weight ~= int8 * scale[:, None], from the fp32 weight;
-    the scales in `dtype`, the activations' dtype the kernel will see."""
+    the scales in bf16, the activations' dtype the kernel will see (`_Proj`)."""
     scales = weight.float().abs().amax(dim=1).clamp(min=1e-12) / 127
-    return (weight.float() / scales[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous(), scales.to(dtype)
+    return (weight.float() / scales[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous(), scales.to(torch.bfloat16)
 
 
 @dataclass

@@ -50,7 +50,7 @@ class RolloutConfig:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.sampler_dtype == "int8" and torch.cuda.is_available():
             raise ConfigError("--sampler-dtype int8 runs torch's CPU int8 kernel, and this machine samples on its GPU: use bf16 (or auto)")
-        if self.sampler_dtype == "bf16":  # int8 keeps fp32 activations where bf16 is emulated
+        if self.sampler_dtype == "bf16":  # int8 keeps fp32 weights where bf16 is emulated
             from envace.backends.models import warn_if_bf16_is_emulated
 
             warn_if_bf16_is_emulated(f"--sampler-dtype {self.sampler_dtype}")
