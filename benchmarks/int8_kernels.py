@@ -1,7 +1,7 @@
 """Microseconds per projection of the default model (SmolLM2-135M) at a decode step's few rows:
 fp32 dense against torch's int8 weight-only kernel (`torch._weight_int8pack_mm`, what
 `--sampler-dtype int8` runs for matmuls of <= 8 rows), the latter fed bf16 and fp32 activations.
-Why it exists: on a CPU without native bf16 the kernel's fp32-activation path is a slow loop,
+Why it exists: on a CPU without native bf16 the kernel's fp32-activation path is 10-40x slower than fp32 dense,
 its bf16-activation path is fast, so the lean decode path casts activations to bf16 around it
 (envace/backends/lean.py, docs/performance.md).
 
