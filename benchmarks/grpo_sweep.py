@@ -365,6 +365,7 @@ def run(out: Path, rows: list[str], settings: dict, defs: dict[str, dict] = ROWS
     for cfg in configs.values():
         cfg.validate()  # every row fails here, before any model loads
     check_continued(rows, base, results)
+
     def evaluate(name: str, model: str, cfg: DemoConfig) -> None:
         """eval-<name> and, with eval_rehearse, eval-rehearse-<name>."""
         evaluation_stage(results, out, f"eval-{name}", model, cfg, "real", eval_max_active)

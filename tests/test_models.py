@@ -225,4 +225,4 @@ def test_bf16_asked_for_on_a_cpu_that_emulates_it_warns_by_name(monkeypatch, nat
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         build(SFTConfig, {"precision": "auto"})  # auto never warns: it picks fp32 on such a CPU
-        RolloutConfig(sampler_dtype="int8").validate()  # int8 keeps fp32 activations on such a CPU
+        RolloutConfig(sampler_dtype="int8").validate()  # int8 keeps fp32 weights on such a CPU
