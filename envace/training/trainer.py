@@ -607,7 +607,7 @@ class Trainer:
                 scheduler.step()
             return {"trained_tokens": float(total), "skipped_update": 1.0, "zero_advantage_rows": float(len(rows))}
         # Rows with advantage 0 throughout add exactly 0 to the loss and the gradient, and their
-        # tokens stay in `denom`: leaving them out of the forward, backward and logprob recompute
+        # tokens stay in `denom`: leaving them out of the forward and the backward
         # changes no weight. A KL term pulls every token towards the reference whatever its
         # advantage, so with one every row is kept. The per-token diagnostics (clip_frac, entropy,
         # approx_kl) are then means over the rows that were forwarded.
