@@ -30,6 +30,7 @@ Writes benchmarks/results/step_speed.json and prints the Markdown table of docs/
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -229,6 +230,8 @@ def step_settings(model: Any) -> dict[str, dict[str, Any]]:
         f"previous (transformers' forward sampling, {update} update, shared prefix)": dict(precision="auto", share_prefix=True, sampler_dtype="f32", lean=False),
         f"now (lean {sampler} sampler, {update} update, shared prefix: the defaults)": dict(precision="auto", share_prefix=True),
         "now with --sampler-dtype int8": dict(precision="auto", share_prefix=True, sampler_dtype="int8"),
+        "now with --continuous-batching": dict(precision="auto", share_prefix=True, continuous_batching=True),
+        "now with --continuous-batching --sampler-dtype int8": dict(precision="auto", share_prefix=True, continuous_batching=True, sampler_dtype="int8"),
     }
 
 
@@ -243,8 +246,9 @@ def step_child(settings: dict[str, Any]) -> None:
     settings = dict(settings)
     if not settings.pop("lean", True):
         hf.lean_support = lambda model: "off for this benchmark row"
-    if "sampler_dtype" in settings:
-        settings["rollout"] = dict(settings["rollout"], sampler_dtype=settings.pop("sampler_dtype"))
+    for key in ("sampler_dtype", "continuous_batching"):  # rollout settings, given flat as on the command line
+        if key in settings:
+            settings["rollout"] = dict(settings["rollout"], **{key: settings.pop(key)})
     cfg = build(TrainConfig, dict(settings, steps=1, progress=False, tensorboard=False, save_every=1))
     metrics = Trainer(cfg).train_step()
     metrics["peak_rss_gib"] = peak_rss_gib()
@@ -276,7 +280,8 @@ def step(model: Any, args: argparse.Namespace) -> dict[str, Any]:
             raise RuntimeError(f"the step '{name}' failed:\n{proc.stderr[-3000:]}")
         m = json.loads(line.removeprefix("STEP_METRICS "))
         out[name] = {k: m.get(k) for k in ("time/rollout_s", "time/update_s", "reward/mean", "policy/forwarded_tokens",
-                                           "policy/forwarded_tokens_unshared", "policy/logprob_mismatch", "peak_rss_gib")}
+                                           "policy/forwarded_tokens_unshared", "policy/logprob_mismatch", "peak_rss_gib",
+                                           "sampler/policy-rehearse/rows_per_decode_step", "sampler/policy-rehearse/generated_tokens")}
         out[name]["step_s"] = m["time/rollout_s"] + m["time/update_s"]
         print(f"step {name}: {out[name]['step_s']:.1f} s (rollout {m['time/rollout_s']:.1f}, update {m['time/update_s']:.1f}), peak RSS {m['peak_rss_gib']:.1f} GiB", flush=True)
     return out
@@ -302,10 +307,12 @@ def same_greedy_actions(model: Any, tokenizer: Any) -> dict[str, Any]:
     # run (with all 10 at once, a base model's one long turn each never went below 9 rows).
     config = RolloutConfig(mode="real", temperature=0.0, max_turns=6, max_turn_tokens=96, max_active=4)
     acts, logprobs, out = {}, {}, {"tasks": len(tasks), "seconds": {}, "identical": {}, "logprob_mismatch": {}}
-    engines = hf_engines(model)
-    for name, kw in engines.items():
+    engines = {name: (kw, config) for name, kw in hf_engines(model).items()}
+    # The same fp32 numerics, rows paused and refilled: only the schedule differs.
+    engines["envace HF, lean path, fp32, --continuous-batching"] = (dict(dtype=None, int8=False), dataclasses.replace(config, continuous_batching=True))
+    for name, (kw, cfg) in engines.items():
         start = time.perf_counter()
-        groups = RolloutEngine(HFGenerator(model, tokenizer, **kw), WorldEnvironment(), config).run(tasks, k=1)
+        groups = RolloutEngine(HFGenerator(model, tokenizer, **kw), WorldEnvironment(), cfg).run(tasks, k=1)
         out["seconds"][name] = time.perf_counter() - start
         acts[name] = [[tok for turn in g[0].outputs(Role.ACT) for tok in turn.token_ids] for g in groups]
         logprobs[name] = [[lp for turn in g[0].outputs(Role.ACT) for lp in turn.logprobs] for g in groups]
@@ -354,12 +361,16 @@ def table(r: dict[str, Any]) -> str:
         lines.append("")
     if "step" in r:
         lines += ["GRPO step of the demo's settings (2 tasks x K=4, same seeds), each in its own process:", "",
-                  "| settings | step s | rollout s | update s | forwarded tokens (unshared) | logprob mismatch | peak RSS GiB |", "|---|---|---|---|---|---|---|"]
+                  "| settings | step s | rollout s | update s | generated tokens | rows per decode step | forwarded tokens (unshared) | logprob mismatch | peak RSS GiB |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for name, v in r["step"].items():
             mismatch = "" if v.get("policy/logprob_mismatch") is None else f"{v['policy/logprob_mismatch']:.4f}"
             if v.get("policy/forwarded_tokens") is None:
                 raise RuntimeError(f"the step '{name}' skipped its update: nothing was timed")
+            rows = v.get("sampler/policy-rehearse/rows_per_decode_step")  # not in results from before 2026-12-07
+            generated = v.get("sampler/policy-rehearse/generated_tokens")
             lines.append(f"| {name} | {v['step_s']:.1f} | {v['time/rollout_s']:.1f} | {v['time/update_s']:.1f} | "
+                         f"{'' if generated is None else f'{generated:.0f}'} | {'' if rows is None else f'{rows:.1f}'} | "
                          f"{v['policy/forwarded_tokens']:.0f} ({v['policy/forwarded_tokens_unshared']:.0f}) | {mismatch} | {v['peak_rss_gib']:.1f} |")
         lines.append("")
     if "greedy" in r:

@@ -464,3 +464,33 @@ def test_set_seed_restarts_the_sampling_stream(tokenizer, model, prompts):
 
     first = draw(7)
     assert draw(7) == first and draw(8) != first
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_paused_rows_resume_where_they_stopped(model, tokenizer, prompts, lean):
+    """Continuous batching: a call returns once `pause_at` of its rows finished; the rest come back
+    "paused" and, passed again beside a new session (whose prompt is prefilled apart), finish with
+    the tokens and logprobs of an uninterrupted generation; nothing is encoded twice."""
+    limits = [SamplingParams(max_new_tokens=n, temperature=0.0) for n in (2, 9, 12)]
+    reference = HFGenerator(model, tokenizer, lean=lean)
+    expected = reference.generate(reference.open(4), prompts + prompts[:1], limits + limits[1:2])
+    gen = HFGenerator(model, tokenizer, lean=lean)
+    ids = gen.open(4)
+    first = gen.generate(ids[:3], prompts, limits, pause_at=1 / 3)
+    assert [o.finish_reason for o in first] == ["length", "paused", "paused"] and [len(o.token_ids) for o in first] == [2, 2, 2]
+    assert first[1].token_ids == expected[1].token_ids[:2]
+    with pytest.raises(ValueError, match="paused mid-generation: resume them with no new tokens"):
+        gen.generate([ids[1]], [[7]], limits[1])
+    widths, make_batch = [], gen._batch
+    gen._batch = lambda chunks, *a, **kw: widths.append(max(map(len, chunks))) or make_batch(chunks, *a, **kw)
+    second = gen.generate(ids[1:], [[], [], prompts[0]], [limits[1], limits[2], limits[1]], pause_at=1 / 3)
+    assert widths == [len(prompts[0]) - 1, 1]  # the new prompt apart, then one token per row: no row padded to it
+    assert [o.finish_reason for o in second] == ["length", "paused", "paused"] and [len(o.token_ids) for o in second] == [9, 9, 7]
+    third = gen.generate(ids[2:], [[], []], [limits[2], limits[1]])
+    finished = [first[0], second[0], *third]
+    for got, want in zip(finished, expected):
+        assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
+        assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs)) < TOL
+    sequences = [p + o.token_ids for p, o in zip(prompts + prompts[:1], finished)]
+    assert gen.stats.prefill_tokens + gen.stats.extra["decode_tokens"] == sum(len(s) for s in sequences) - len(ids)
+    assert gen.cache_tokens() == sum(len(s) for s in sequences) - len(ids)

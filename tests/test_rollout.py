@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 
@@ -525,3 +526,59 @@ def test_isolated_grounding_comes_from_the_recorded_reference_without_a_world(to
     # A world task without a recorded reference grounds by executing its reference calls, counted.
     [[world_traj]] = RolloutEngine(ScriptedGenerator(tokenizer, simulator), WorldEnvironment(), cfg).run([counter_task()], progress=False)
     assert world_traj.grounding_calls == 1
+
+
+# ---- continuous batching ----------------------------------------------------------------------
+
+
+def target_task(target: int) -> Task:
+    task = counter_task(target)
+    task.id = f"add{target}"
+    return task
+
+
+def uneven_agent(session_text: str) -> str:
+    """The counter agent with outputs whose lengths grow with the task's target, so that the rows of
+    one batch finish at different steps: add(target), a rehearsed response padded by the target,
+    then an answer padded by the target."""
+    target = int(re.search(r"Add (\d+) to the counter", session_text).group(1))
+    if session_text.rsplit("<|im_start|>", 1)[-1].startswith("tool"):
+        return json.dumps({"value": target, "note": "ok " * target})
+    if "<|im_start|>tool" in session_text.split("<|im_start|>user", 1)[-1]:
+        return f"The counter is {target}." + " Done." * target
+    return '<tool_call>{"name": "add", "arguments": {"n": %d}}</tool_call>' % target
+
+
+@pytest.mark.parametrize("mode", ["rehearse", "real"])
+def test_continuous_batching_changes_the_schedule_not_the_trajectories(tokenizer, mode):
+    """Rows that finish start their next turn (a REHEARSE response beside other rows' ACT turns)
+    while the others are paused, not waiting for the longest row; every trajectory is the one the
+    round-by-round schedule writes."""
+    tasks = [target_task(t) for t in (1, 4, 9, 16)]
+    rounds, _ = engine(tokenizer, mode, reply=uneven_agent)
+    together, policy = engine(tokenizer, mode, reply=uneven_agent, continuous_batching=True)
+    roles_per_call, generate = [], policy.generate
+
+    def recording(sessions, new_tokens, params, pause_at=None):
+        headers = [policy.tokenizer.decode(policy.sequences[s] + new).rsplit("<|im_start|>", 1)[-1] for s, new in zip(sessions, new_tokens)]
+        roles_per_call.append({"rehearse" if h.startswith("tool") else "act" for h in headers})
+        return generate(sessions, new_tokens, params, pause_at=pause_at)
+
+    policy.generate = recording
+    expected = rounds.run(tasks, k=2, progress=False)
+    got = together.run(tasks, k=2, progress=False)
+    for want, have in zip((t for g in expected for t in g), (t for g in got for t in g)):
+        assert have.token_ids == want.token_ids and [t.role for t in have.turns] == [t.role for t in want.turns]
+        assert have.end_reason == want.end_reason == EndReason.ANSWERED
+        assert [c.status for c in have.tool_calls] == [c.status for c in want.tool_calls]
+    if mode == "rehearse":
+        assert {"act", "rehearse"} in roles_per_call  # some call batched one row's REHEARSE with another's ACT
+    assert policy._paused == {} and policy.sequences == {}
+
+
+def test_continuous_batching_needs_a_generator_that_pauses_rows(tokenizer):
+    class Plain(ScriptedGenerator):
+        pauses_rows = False
+
+    with pytest.raises(ValueError, match="Plain cannot.*--continuous-batching"):
+        RolloutEngine(Plain(tokenizer, agent), WorldEnvironment(), RolloutConfig(mode="rehearse", continuous_batching=True))

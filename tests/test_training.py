@@ -603,6 +603,7 @@ def test_on_malformed_reaches_the_rollout_config(task_file):
     ({"rehearse_sft_coef": 0.1, "variant": "act-only"}, "--variant envace"),  # trains no REHEARSE token
     ({"rehearse_sft_coef": 0.1, "variant": "no-share", "rehearse_layout": "isolated"}, "--variant envace"),  # the policy does not rehearse
     ({"rehearse_sft_coef": 0.1, "rehearse_layout": "isolated"}, "--rehearse-layout transcript"),
+    ({"continuous_batching": True, "sampler": "llamacpp"}, "--continuous-batching"),  # pauses rows inside the HF sampler only
 ])
 def test_train_config_rejects_each_bad_option_by_name(values, option):
     with pytest.raises(ConfigError, match=re.escape(option)):

@@ -65,7 +65,7 @@ class Completion:
     # before any top_p cut (HFGenerator, envace's server). llama.cpp, and vLLM in its default logprobs
     # mode, report the raw logits' (T = 1) probabilities whatever T is: training refuses them at T != 1.
     logprobs: list[float]
-    finish_reason: str  # "stop" (stop token/string) or "length"
+    finish_reason: str  # "stop" (stop token/string), "length", or "paused" (HFGenerator.generate(pause_at=...): call again to go on)
     text: str = ""
 
 

@@ -16,6 +16,16 @@ One call = one batch
     batch (their compact cache goes back to their session) and leading columns that only held
     padding are trimmed, so finished rows cost nothing.
 
+Pausing (continuous batching)
+    The rows of one call finish at different times, and a batch that waits for its longest row
+    decodes with ever fewer rows. `generate(..., pause_at=f)` returns as soon as a fraction f of
+    its rows has finished: the others come back with finish_reason "paused", their output so far
+    kept in the session, and the caller passes them again (with no new tokens) beside new work,
+    e.g. the tool responses of the rows that finished (`RolloutConfig.continuous_batching`); a
+    resumed row returns its whole output. In such a call the rows with more than one new token
+    are prefilled in a forward of their own first, so the batch never pads the resumed rows'
+    single token to a newcomer's chunk.
+
 Prefill accounting (exact)
     `stats.prefill_tokens` counts the real (non-pad) tokens encoded by the prefill forward of each
     call: the pending token plus `new_tokens[i]`. `stats.extra["decode_tokens"]` counts sampled
@@ -44,6 +54,7 @@ Sampling
 from __future__ import annotations
 
 import functools
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -64,6 +75,9 @@ STOP_TAIL_SLACK = 2
 class _Session:
     tokens: list[int] = field(default_factory=list)  # everything fed and returned, in order
     kv: KV | None = None  # compact cache of tokens[:cached]; None until the first call
+    # A generation paused mid-way (`generate(pause_at=...)`): its output and logprobs so far, which
+    # the next call (with no new tokens) goes on from and returns whole.
+    paused: tuple[list[int], list[float]] | None = None
 
     @property
     def cached(self) -> int:
@@ -258,10 +272,21 @@ class HFGenerator:
         """KV positions held across open sessions (per layer); 0 once all are closed."""
         return sum(s.cached for s in self._sessions.values())
 
-    def generate(self, sessions: list[int], new_tokens: list[list[int]], params: ParamsArg) -> list[Completion]:
+    # `RolloutConfig.continuous_batching` needs a generator that can pause rows (`generate(pause_at=...)`).
+    pauses_rows = True
+
+    def generate(self, sessions: list[int], new_tokens: list[list[int]], params: ParamsArg, pause_at: float | None = None) -> list[Completion]:
+        """`Generator.generate`; with `pause_at` (a fraction in (0, 1]), return once that fraction of
+        each batch's rows has finished, the rest "paused" (module docstring)."""
         params = per_session(params, len(sessions))
         states = check_call(sessions, new_tokens, params, self._sessions)
-        before = [len(s.tokens) for s in states]
+        if pause_at is not None and not 0 < pause_at <= 1:
+            raise ValueError(f"pause_at is a fraction of a batch's rows in (0, 1], got {pause_at}")
+        resumed_with_tokens = [i for i, s, new in zip(sessions, states, new_tokens) if s.paused is not None and new]
+        if resumed_with_tokens:
+            raise ValueError(f"sessions {resumed_with_tokens} were paused mid-generation: resume them with no new tokens "
+                             "(a paused output goes on where it stopped)")
+        before = [(len(s.tokens), s.paused) for s in states]
         start = time.perf_counter()
         was_training = self.model.training
         self.model.eval()  # no dropout while sampling, even when called from inside training
@@ -270,12 +295,13 @@ class HFGenerator:
                 step = self.max_batch or max(1, len(states))
                 completions = []
                 for lo in range(0, len(states), step):
-                    completions += self._generate_batch(states[lo:lo + step], new_tokens[lo:lo + step], params[lo:lo + step])
+                    completions += self._generate_batch(states[lo:lo + step], new_tokens[lo:lo + step], params[lo:lo + step], pause_at)
         except BaseException:
             # Leave every session as before the call; its prefix is simply re-encoded next time.
-            for s, n in zip(states, before):
+            for s, (n, paused) in zip(states, before):
                 del s.tokens[n:]
                 s.kv = None
+                s.paused = paused
             raise
         finally:
             self.model.train(was_training)
@@ -314,18 +340,42 @@ class HFGenerator:
                 chunks[i] = [key[-1]]
         return chunks
 
-    def _generate_batch(self, states: list[_Session], new_tokens: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
+    def _prefill_apart(self, states: list[_Session], chunks: list[list[int]]) -> list[list[int]]:
+        """Encode all but the last token of every chunk longer than one in a forward of their own,
+        so that the batch's first forward decodes one token per row (a paused row resumes with
+        one) instead of padding every row to the longest chunk."""
+        long = [i for i, c in enumerate(chunks) if len(c) > 1]
+        if not long or len(long) == len(chunks):
+            return chunks
+        prefill = self._batch([chunks[i][:-1] for i in long], [states[i].kv for i in long], max_new_tokens=0)
+        prefill.forward()
+        self.stats.prefill_tokens += sum(len(chunks[i]) - 1 for i in long)
+        chunks = list(chunks)
+        for row, i in enumerate(long):
+            states[i].kv = prefill.row_kv(row)
+            chunks[i] = chunks[i][-1:]
+        return chunks
+
+    def _generate_batch(self, states: list[_Session], new_tokens: list[list[int]], params: list[SamplingParams],
+                        pause_at: float | None = None) -> list[Completion]:
         chunks = [s.tokens[s.cached:] + list(new) for s, new in zip(states, new_tokens)]
         chunks = self._share_prompts(states, chunks)
+        if pause_at is not None:
+            chunks = self._prefill_apart(states, chunks)
         batch = self._batch(chunks, [s.kv for s in states], max(p.max_new_tokens for p in params))
         for s in states:
             s.kv = None  # the batch owns the cache now: never hold two copies
         logits = batch.forward()
         self.stats.prefill_tokens += sum(len(c) for c in chunks)
 
-        outputs: list[list[int]] = [[] for _ in states]
-        logprobs: list[list[float]] = [[] for _ in states]
+        # A paused session goes on from its output so far (stop strings and limits see all of it).
+        outputs: list[list[int]] = [list(s.paused[0]) if s.paused else [] for s in states]
+        logprobs: list[list[float]] = [list(s.paused[1]) if s.paused else [] for s in states]
+        resumed = [len(out) for out in outputs]  # tokens already in the session's sequence
+        for s in states:
+            s.paused = None
         reasons: list[str] = [""] * len(states)
+        pause_after = len(states) if pause_at is None else max(1, math.ceil(pause_at * len(states)))
         active = list(range(len(states)))  # batch row -> index into states
         while True:
             tokens, lps = sample(logits, params[0], self.generator)
@@ -340,6 +390,13 @@ class HFGenerator:
                 else:
                     keep.append(row)
             self.stats.generated_tokens += len(active)
+            if keep and len(states) - len(keep) >= pause_after:
+                for row in keep:  # the last sampled token is returned, not fed: as at any finish
+                    i = active[row]
+                    reasons[i] = "paused"
+                    states[i].kv = batch.row_kv(row)
+                    states[i].paused = (list(outputs[i]), list(logprobs[i]))
+                keep = []
             if not keep:
                 break
             if len(keep) < len(active):
@@ -351,8 +408,8 @@ class HFGenerator:
             self.stats.extra["decode_tokens"] += len(active)
             self.stats.extra["decode_steps"] += 1
 
-        for s, new, out in zip(states, new_tokens, outputs):
-            s.tokens += list(new) + out
+        for s, new, out, done in zip(states, new_tokens, outputs, resumed):
+            s.tokens += list(new) + out[done:]
         return [Completion(token_ids=out, logprobs=lp, finish_reason=reason,
                            text=self.tokenizer.decode(out, skip_special_tokens=False))
                 for out, lp, reason in zip(outputs, logprobs, reasons)]

@@ -33,6 +33,9 @@ class RolloutConfig:
         "end", help="after a malformed tool call/rehearsal (penalised either way): end the rollout, or show the error (ACT) or the broken response (REHEARSE) as the tool's answer and go on")
     # Each rollout in flight holds a world and a KV cache until it ends: this bounds memory.
     max_active: int | None = field(None, help="rollouts in flight at once; the next starts when one ends (0 or empty = all at once)")
+    continuous_batching: bool = field(
+        False, help="one batch for ACT turns and rehearsed responses alike, in which rows that finish start their next turn while "
+                    "the others are still generating (the local transformers sampler; docs/performance.md)")
     sampler_dtype: Literal["auto", "f32", "bf16", "int8", "f16", "q8_0"] = field(
         "auto", help="weights and KV cache a local model samples with: auto = bf16 where the CPU/GPU computes bf16 natively and the lean "
                      "decode path covers the model (docs/performance.md), else the model's own; f32 = the model's own numerics; "

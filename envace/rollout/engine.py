@@ -23,7 +23,7 @@ from typing import Any, Callable, Protocol
 
 from tqdm.auto import tqdm
 
-from envace.backends.base import Completion, Generator
+from envace.backends.base import Completion, Generator, SamplingParams
 from envace.envs.base import ToolWorld
 from envace.parsing import ParseError, parse_act
 from envace.rollout.config import RolloutConfig
@@ -50,6 +50,10 @@ class Environment(Protocol):
 # that user message: the system prompt that lists the others is already fed and cannot change.
 ADDED_TOOLS = "New tools you can call from now on:\n<tools>\n{tools}\n</tools>"
 REPLAYED = ReplayedUser()
+# Continuous batching: a generate call returns once this fraction of its rows has finished; the
+# others are paused and go on in the next call beside the next turns of those that finished.
+# (benchmarks/step_speed.py measures it; a compaction of the batch follows the same quarter.)
+PAUSE_AT = 0.25
 
 
 class RolloutEngine:
@@ -69,6 +73,9 @@ class RolloutEngine:
         eos = policy.tokenizer.eos_token_id
         self.writer = EpisodeWriter(self.config, self.transcript, (eos,) if eos is not None else ())
         self.responder = self._responder(simulator, guard)
+        if self.config.continuous_batching and not getattr(policy, "pauses_rows", False):
+            raise ValueError(f"continuous batching pauses rows inside the sampler's batches, which {type(policy).__name__} cannot: "
+                             "use the local transformers sampler, or drop --continuous-batching")
         # Off real mode the model that writes the tools' responses imagines the user as well
         # (recorded mode replays the reference's user turns: its tasks have no simulated user).
         self._imagined_user = None if self.config.mode in ("real", "recorded") else ImaginedUser(simulator or policy, self.transcript, self.config.max_turn_tokens)
@@ -125,10 +132,13 @@ class RolloutEngine:
             while len(active) < limit and len(episodes) < n:
                 episodes.append(start(len(episodes)))
                 active.append(episodes[-1])
-            self._answer_tools(active)
-            acting = [e for e in active if not e.done and not e.queue]
-            if acting:
-                self._generate_act(acting)
+            if self.config.continuous_batching:
+                self._advance_together(active)
+            else:
+                self._answer_tools(active)
+                acting = [e for e in active if not e.done and not e.queue]
+                if acting:
+                    self._generate_act(acting)
             finished = [e for e in active if e.done]
             for e in finished:
                 self._finish(e)
@@ -141,6 +151,46 @@ class RolloutEngine:
         """Answer every queued call (the responder batches model-written answers)."""
         while waiting := [e for e in active if e.queue and not e.done]:
             self.responder.answer(waiting)
+
+    def _advance_together(self, active: list[Episode]) -> None:
+        """Continuous batching: one generate call for every episode that needs the policy next (an
+        ACT turn, a REHEARSE response in its transcript, or either one paused mid-way), returning
+        once PAUSE_AT of its rows finished; so rows that finish early start their next turn while
+        the others are still generating, instead of waiting for the longest row of the round.
+        Responders that do not write in the policy's sessions (real world, recorded, isolated
+        simulator) answer first, as in the rounds of `_drive`."""
+        inline = isinstance(self.responder, TranscriptRehearsal)
+        if not inline:
+            self._answer_tools(active)
+        rows = []
+        for ep in active:
+            if not ep.done and ep.inflight is None:
+                ep.inflight = self._next_generation(ep)
+            if not ep.done and ep.inflight is not None:
+                rows.append(ep)
+        if not rows:
+            return
+        outs = self.policy.generate([e.session for e in rows], [e.pending for e in rows], [e.inflight[1] for e in rows], pause_at=PAUSE_AT)
+        for ep, out in zip(rows, outs):
+            ep.pending = []
+            if out.finish_reason == "paused":
+                continue
+            role, _ = ep.inflight
+            ep.inflight = None
+            if role == Role.ACT:
+                self._after_act(ep, out)
+            else:
+                self.responder.take(ep, out)
+
+    def _next_generation(self, ep: Episode) -> tuple[Role, SamplingParams] | None:
+        """The role and params of the episode's next generation; None when a limit has ended it."""
+        if ep.queue:  # only transcript rehearsal leaves calls queued here: the policy answers them
+            params = self.responder.request(ep)
+            return None if params is None else (Role.REHEARSE, params)
+        if not self._may_act(ep):
+            return None
+        params = self.writer.request(ep, self.config.max_turn_tokens, self.transcript.layout.act_marker)
+        return None if params is None else (Role.ACT, params)
 
     # ---- episode lifecycle -------------------------------------------------------------
     def _open(self, task: Task, traj: Trajectory) -> Episode:
@@ -207,11 +257,15 @@ class RolloutEngine:
         """ACT turns allowed: per trajectory, or per user turn where the task sets its own limit."""
         return task.rules.max_steps_per_turn or self.config.max_turns
 
+    def _may_act(self, ep: Episode) -> bool:
+        """False (and the episode ended) once it used its ACT turns."""
+        if ep.act_turns >= self._act_limit(ep.task):
+            self.writer.end(ep, EndReason.MAX_TURNS)
+            return False
+        return True
+
     def _generate_act(self, eps: list[Episode]) -> None:
-        over = [e for e in eps if e.act_turns >= self._act_limit(e.task)]
-        for e in over:
-            self.writer.end(e, EndReason.MAX_TURNS)
-        eps = [e for e in eps if not e.done]
+        eps = [e for e in eps if self._may_act(e)]
         for ep, out in self.writer.generate(self.policy, eps, self.config.max_turn_tokens, self.transcript.layout.act_marker):
             self._after_act(ep, out)
 

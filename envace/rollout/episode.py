@@ -33,6 +33,8 @@ class Episode:
     act_turns: int = 0
     user_turn: int = 0
     length: int = 0  # tokens in the transcript so far
+    # Continuous batching: the role and params of a generation paused mid-way, resumed next call.
+    inflight: tuple[Role, SamplingParams] | None = None
     started: float = field(default_factory=time.perf_counter)
 
     @property
@@ -123,14 +125,19 @@ class EpisodeWriter:
             return 0
         return min(per_turn, room)
 
+    def request(self, ep: Episode, per_turn: int, marker: str) -> SamplingParams | None:
+        """The params of the episode's next generation within its own budget (one episode near the
+        total limit never cuts the others short); None when that limit has ended it."""
+        budget = self.budget(ep, per_turn)
+        return self.params(budget, marker) if budget > 0 else None
+
     def generate(self, gen: Generator, eps: list[Episode], per_turn: int, marker: str) -> list[tuple[Episode, Completion]]:
-        """One batched generation continuing each episode's own session with its pending tokens.
-        Each row gets its own budget: one episode near the total limit never cuts the others short."""
-        budgets = {id(e): self.budget(e, per_turn) for e in eps}
-        live = [e for e in eps if budgets[id(e)] > 0]
+        """One batched generation continuing each episode's own session with its pending tokens."""
+        requests = [(e, self.request(e, per_turn, marker)) for e in eps]
+        live = [(e, p) for e, p in requests if p is not None]
         if not live:
             return []
-        outs = gen.generate([e.session for e in live], [e.pending for e in live], [self.params(budgets[id(e)], marker) for e in live])
-        for e in live:
+        outs = gen.generate([e.session for e, _ in live], [e.pending for e, _ in live], [p for _, p in live])
+        for e, _ in live:
             e.pending = []
-        return list(zip(live, outs))
+        return [(e, out) for (e, _), out in zip(live, outs)]

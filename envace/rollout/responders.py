@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from envace.backends.base import Generator
+from envace.backends.base import Completion, Generator, SamplingParams
 from envace.parsing import ParseError, parse_rehearsal
 from envace.references import call_key, recorded_exchanges
 from envace.rollout.episode import Episode, EpisodeWriter
@@ -111,24 +111,34 @@ class TranscriptRehearsal:
         self.max_tokens = max_tokens
 
     def answer(self, episodes: list[Episode]) -> None:
+        marker = self.writer.transcript.layout.rehearse_marker
+        for ep, out in self.writer.generate(self.policy, episodes, self.max_tokens, marker):
+            self.take(ep, out)
+
+    def request(self, ep: Episode) -> SamplingParams | None:
+        """The params of the episode's REHEARSE generation, for a caller that batches it with other
+        work (continuous batching); None when the total-token limit has ended the episode."""
+        return self.writer.request(ep, self.max_tokens, self.writer.transcript.layout.rehearse_marker)
+
+    def take(self, ep: Episode, out: Completion) -> None:
+        """Answer the episode's first queued call with the REHEARSE output `out`."""
         w = self.writer
         marker = w.transcript.layout.rehearse_marker
-        for ep, out in w.generate(self.policy, episodes, self.max_tokens, marker):
-            turn = Turn(Role.REHEARSE, out.token_ids, out.logprobs, out.text)
-            if out.finish_reason == "length":
+        turn = Turn(Role.REHEARSE, out.token_ids, out.logprobs, out.text)
+        if out.finish_reason == "length":
+            ep.append(turn, fed=True)
+            w.truncated(ep)
+            return
+        try:
+            obs, status = parse_rehearsal(w.transcript.strip_marker(out.text, marker)), CallStatus.REHEARSED
+        except ParseError as err:
+            call = ep.queue[0]
+            if not w.penalize(ep, "rehearse", turn, err, EndReason.MALFORMED_REHEARSAL):
+                call.status = CallStatus.MALFORMED
                 ep.append(turn, fed=True)
-                w.truncated(ep)
-                continue
-            try:
-                obs, status = parse_rehearsal(w.transcript.strip_marker(out.text, marker)), CallStatus.REHEARSED
-            except ParseError as err:
-                call = ep.queue[0]
-                if not w.penalize(ep, "rehearse", turn, err, EndReason.MALFORMED_REHEARSAL):
-                    call.status = CallStatus.MALFORMED
-                    ep.append(turn, fed=True)
-                    continue
-                obs, status = err.observation(), CallStatus.MALFORMED  # ACT reads the broken response as generated
-            w.tool_turn(ep, obs, status, turn)
+                return
+            obs, status = err.observation(), CallStatus.MALFORMED  # ACT reads the broken response as generated
+        w.tool_turn(ep, obs, status, turn)
 
 
 class IsolatedSimulator:

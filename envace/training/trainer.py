@@ -257,6 +257,9 @@ class TrainConfig(TrainingOptions):
         if t != 1.0 and self.sampler != "hf":
             raise ConfigError(f"--sampler {self.sampler} reports logprobs at temperature 1 only, so it trains at --temperature 1 (got {t}); "
                               "use --sampler hf for tempered sampling")
+        if self.rollout.continuous_batching and self.sampler != "hf":
+            raise ConfigError(f"--continuous-batching pauses rows inside the HF sampler's batches; --sampler {self.sampler} batches on its own: "
+                              "drop --continuous-batching")
         dtype = self.rollout.sampler_dtype
         if self.sampler == "hf" and dtype in ("f16", "q8_0"):
             raise ConfigError(f"--sampler-dtype {dtype} is llama.cpp's (--sampler llamacpp); --sampler hf samples in auto, f32, bf16 or int8")
