@@ -521,13 +521,14 @@ def test_real_fraction_rolls_out_that_share_of_the_step_tasks_in_real_mode(tmp_p
     assert all(t.real_env_calls == 0 for g in groups[2:] for t in g)
 
 
-def test_each_step_reports_what_its_sampler_generated(tmp_path, task_file):
+@pytest.mark.parametrize("continuous_batching", [False, True])
+def test_each_step_reports_what_its_sampler_generated(tmp_path, task_file, continuous_batching):
     """sampler/<stream>/generated_tokens is the step's own count: every ACT and REHEARSE token of
     the step's rollouts (the envace variant samples both roles from one policy stream), not the
-    generator's running total."""
+    generator's running total; with continuous batching too (a paused row's tokens count once)."""
     from envace.types import Role
 
-    trainer = Trainer(build(TrainConfig, dict(SMALL, tasks=task_file, output_dir=str(tmp_path / "run"), steps=2)))
+    trainer = Trainer(build(TrainConfig, dict(SMALL, tasks=task_file, output_dir=str(tmp_path / "run"), steps=2, continuous_batching=continuous_batching)))
     rollout, groups = trainer.rollout, []
     trainer.rollout = lambda tasks, round_index=0: groups.append(rollout(tasks, round_index)) or groups[-1]
     steps = [trainer.train_step() for _ in range(2)]

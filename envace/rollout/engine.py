@@ -13,6 +13,13 @@ each row within its own token budget. Each episode owns a generator session, so 
 only the tokens appended since its last generation (the backend keeps the KV cache): the prefix
 is never encoded again. With `max_active`, at most that many episodes are in flight; the next
 starts as soon as one ends.
+
+A round's batch waits for its longest row, so on a CPU most decode forwards run a few rows.
+With `continuous_batching` (a generator that `pauses_rows`), every episode that needs the policy
+next, for an ACT turn or a REHEARSE response, joins one batch, which returns once PAUSE_AT of its
+rows finished; the unfinished rows are resumed in the next batch beside the next turns of those
+that finished. Each episode's transcript is the same either way; only the schedule (and with
+sampling, the random draws) differs.
 """
 
 from __future__ import annotations
