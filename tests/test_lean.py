@@ -35,11 +35,16 @@ def run(gen, turns, params):
     return outs
 
 
+@pytest.mark.parametrize("transposed,threads,rows", [(False, 2, (0, 0)), (True, 1, (8, 0)), (True, 2, (8, 4))])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_lean_fp32_decodes_what_transformers_decodes(tokenizer, prompts, arch):
+def test_lean_fp32_decodes_what_transformers_decodes(tokenizer, prompts, arch, transposed, threads, rows, monkeypatch):
     """Multi-turn, batched, each session with its own budget: the lean path (fused projections,
     preallocated cache, grouped-query attention without repeat_kv) gives transformers' tokens and
-    logprobs. qwen2 has q/k/v biases, qwen3 per-head q/k norms."""
+    logprobs. qwen2 has q/k/v biases, qwen3 per-head q/k norms. `transposed`: few-row matmuls as
+    (W @ x^T)^T, as on CPUs where that is faster: the LM head's up to 8 rows, the layers' up to 4
+    with a second thread (the 1-4 row decode steps here take that path)."""
+    monkeypatch.setattr(lean, "transposed_gemm_is_faster", lambda: transposed)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # what the packed copy is built for
     model = tiny_model(tokenizer, arch=arch)
     assert lean_support(model) is None
     params = [SamplingParams(max_new_tokens=n, temperature=0.0) for n in (12, 3, 9, 6)]
@@ -47,6 +52,8 @@ def test_lean_fp32_decodes_what_transformers_decodes(tokenizer, prompts, arch):
     reference = run(HFGenerator(model, tokenizer, lean=False), turns, params)
     fast = HFGenerator(model, tokenizer)
     assert fast.lean is not None
+    packed = fast.lean.current()
+    assert (packed.lm_head.transposed_rows, packed.layers[0].qkv.transposed_rows) == rows
     got = run(fast, turns, params)
     for ref_turn, got_turn in zip(reference, got):
         for r, g in zip(ref_turn, got_turn):
@@ -162,6 +169,16 @@ def test_sampler_dtype_settings(tokenizer, monkeypatch):
     assert decode_settings("int8", model) == {"dtype": None, "int8": True}  # int8 over the model's own fp32 there
     with pytest.raises(ValueError, match="f32, bf16 or int8.*llama.cpp"):
         decode_settings("q8_0", model)
+
+
+def test_a_transposed_few_row_matmul_equals_f_linear():
+    """(W @ x^T)^T for up to `transposed_rows` rows, F.linear beyond: the same product, bias
+    included, for any leading shape."""
+    torch.manual_seed(0)
+    proj = lean._Proj(torch.randn(7, 5), torch.randn(7), transposed_rows=4)
+    for shape in [(1, 1, 5), (3, 1, 5), (2, 2, 5), (6, 1, 5), (2, 3, 5)]:
+        x = torch.randn(*shape)
+        torch.testing.assert_close(proj(x), torch.nn.functional.linear(x, proj.weight, proj.bias), rtol=1e-5, atol=1e-5)
 
 
 def test_int8_weights_by_hand():

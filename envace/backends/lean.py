@@ -32,6 +32,7 @@ Weight refresh
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,26 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, kv_h
 # and beats the bf16 GEMM up to ~8 rows, then loses to it; on an AVX2 CPU it beats fp32 dense up
 # to 4-8 rows, the LM head's up to 12 (docs/performance.md, benchmarks/int8_kernels.py).
 INT8_MAX_ROWS = 8
+
+
+# fp32 matmuls of at most this many rows run as (W @ x^T)^T where `transposed_gemm_is_faster` says
+# so: the LM head (49152 x 576) up to 8 rows; the layers' projections up to 4, with more than one
+# thread only (benchmarks/int8_kernels.py).
+TRANSPOSED_MAX_ROWS_LM_HEAD = 8
+TRANSPOSED_MAX_ROWS = 4
+
+
+@functools.cache
+def transposed_gemm_is_faster() -> bool:
+    """Whether a few-row fp32 matmul runs faster as (W @ x^T)^T than as F.linear's x @ W^T here.
+    Measured on an AMD EPYC (AVX2, torch's MKL BLAS; benchmarks/int8_kernels.py): at 2-8 rows
+    MKL runs x @ W^T on one thread and reads the weights at 5-15 GB/s (37-42 at one row). The
+    transposed product took the LM head from 19.6-21.7 ms to 5.2-9.0 at 2 threads (9.3-17.1 at 1);
+    the layers' projections at 2-4 rows 1.4-1.9x faster at 2 threads, but 0.75-0.9x at 1 thread
+    and 0.9x at 6-8 rows. Intel CPUs were not measured, so they keep F.linear: AMD CPUs only."""
+    from envace.backends.models import cpu_name
+
+    return not torch.cuda.is_available() and "AMD" in cpu_name()
 
 
 def decode_settings(setting: str, model: Any) -> dict[str, Any]:
@@ -95,11 +116,15 @@ class _Proj:
     bias: torch.Tensor | None = None
     int8: torch.Tensor | None = None
     scales: torch.Tensor | None = None
+    transposed_rows: int = 0  # fp32 matmuls of at most this many rows run as (W @ x^T)^T (`transposed_gemm_is_faster`)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if self.int8 is None or rows > INT8_MAX_ROWS:
-            return F.linear(x, self.weight, self.bias)
+            if rows > self.transposed_rows:
+                return F.linear(x, self.weight, self.bias)
+            y = (self.weight @ x.reshape(rows, x.shape[-1]).T).T.reshape(*x.shape[:-1], -1)
+            return y if self.bias is None else y + self.bias
         # The kernel's fast path takes bf16 activations (scales' dtype), also on CPUs without native
         # bf16; with fp32 activations it was measured 10-40x slower than fp32 dense (AVX2 EPYC).
         y = torch._weight_int8pack_mm(x.reshape(rows, x.shape[-1]).to(self.scales.dtype), self.int8, self.scales)
@@ -177,15 +202,21 @@ class LeanWeights:
                 return None
             return torch.cat(parts).to(self.dtype).contiguous()
 
-        def proj(*names: str, bias: tuple[str, ...] = ()) -> _Proj:
+        transposed = self.dtype == torch.float32 and transposed_gemm_is_faster()
+        # Read at each rebuild: the layers gain from the transposed product only with a second thread.
+        layer_rows = TRANSPOSED_MAX_ROWS if torch.get_num_threads() > 1 else 0
+
+        def proj(*names: str, bias: tuple[str, ...] = (), transposed_rows: int = layer_rows) -> _Proj:
             full = torch.cat([state[n] for n in names]) if len(names) > 1 else state[names[0]]
-            out = _Proj(get(names[0]) if len(names) == 1 else full.to(self.dtype).contiguous(), cat(*bias) if bias else None)
+            out = _Proj(get(names[0]) if len(names) == 1 else full.to(self.dtype).contiguous(), cat(*bias) if bias else None,
+                        transposed_rows=transposed_rows if transposed else 0)
             if self.int8:
                 out.int8, out.scales = _quantized(full)
             return out
 
         self.embed = get("model.embed_tokens.weight")
-        self.lm_head = proj("lm_head.weight" if "lm_head.weight" in state else "model.embed_tokens.weight")  # a tied head is stored once
+        head = "lm_head.weight" if "lm_head.weight" in state else "model.embed_tokens.weight"  # a tied head is stored once
+        self.lm_head = proj(head, transposed_rows=TRANSPOSED_MAX_ROWS_LM_HEAD)
         self.norm = get("model.norm.weight")
         self.layers = []
         for i in range(len(_base(self.model).model.layers)):
