@@ -40,6 +40,7 @@ import torch
 
 from envace.backends import HFGenerator, load_model
 from envace.backends.base import SamplingParams
+from envace.backends import lean
 from envace.backends.lean import decode_settings
 from envace.backends.models import native_bf16
 
@@ -127,6 +128,8 @@ def default_engine(model: Any) -> str:
 def decode(model: Any, tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
     prompt = tool_prompt(tokenizer)
     engines: dict[str, Callable[[], Any]] = {name: (lambda kw=kw: HFGenerator(model, tokenizer, **kw)) for name, kw in hf_engines(model).items()}
+    if lean.transposed_gemm_is_faster():
+        engines["envace HF, lean path, fp32, F.linear for every matmul (no transposed few-row matmuls)"] = lambda: linear_only(model, tokenizer)
     if llamacpp_available():
         from envace.backends.llamacpp import LlamaCppGenerator
 
@@ -139,11 +142,24 @@ def decode(model: Any, tokenizer: Any, args: argparse.Namespace) -> dict[str, An
         generator = make()
         # llama.cpp prefills every session's prompt (its slots share nothing): batch 32 would
         # spend minutes there, so its engines run batch 1 and 8; the HF backend all three.
-        batches = (1, 8, 32) if isinstance(generator, HFGenerator) else (1, 8)
+        batches = (1, 4, 8, 32) if isinstance(generator, HFGenerator) else (1, 4, 8)
         out[name] = {f"batch{b}": decode_rate(generator, prompt, b, args.new_tokens) for b in batches}
         print(f"decode {name}: " + ", ".join(f"{k} {v['tok_per_s']:.1f} tok/s" for k, v in out[name].items()), flush=True)
         getattr(generator, "shutdown", lambda: None)()
     return out
+
+
+def linear_only(model: Any, tokenizer: Any) -> HFGenerator:
+    """The lean fp32 path as on a CPU where `lean.transposed_gemm_is_faster` is False: its packed
+    copy, built here with the rule off, keeps F.linear for every matmul."""
+    generator = HFGenerator(model, tokenizer, dtype=None, int8=False)
+    rule = lean.transposed_gemm_is_faster
+    lean.transposed_gemm_is_faster = lambda: False
+    try:
+        generator.lean.current()
+    finally:
+        lean.transposed_gemm_is_faster = rule
+    return generator
 
 
 def prefill(model: Any, tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -338,11 +354,11 @@ def table(r: dict[str, Any]) -> str:
     if "decode" in r:
         d = r["decode"]
         lines += [f"Decode after a {d['prompt_tokens']}-token tool prompt, {d['new_tokens']} new tokens, greedy (aggregate tok/s):", "",
-                  "| engine | batch 1 | batch 8 | batch 32 | " + " | ".join(f"batch 32 / {b} matmul bound" for b in bounds) + " |",
-                  "|---|---|---|---|" + "---|" * len(bounds)]
+                  "| engine | batch 1 | batch 4 | batch 8 | batch 32 | " + " | ".join(f"batch 32 / {b} matmul bound" for b in bounds) + " |",
+                  "|---|---|---|---|---|" + "---|" * len(bounds)]
         for name, v in d.items():
             if isinstance(v, dict):
-                cells = [f"{v[b]['tok_per_s']:.1f}" if b in v else "" for b in ("batch1", "batch8", "batch32")]
+                cells = [f"{v[b]['tok_per_s']:.1f}" if b in v else "" for b in ("batch1", "batch4", "batch8", "batch32")]
                 ratios = [f"{v['batch32']['tok_per_s'] / m[f'token_limit_{b}']:.0%}" if "batch32" in v else "" for b in bounds]
                 lines.append(f"| {name} | {' | '.join(cells)} | {' | '.join(ratios)} |")
         lines.append("")
