@@ -17,7 +17,8 @@ What it covers
 
 Numerics
     At the model's own dtype (fp32) the outputs equal transformers' forward up to float rounding
-    (greedy decodes are token-identical; tests compare both). In bf16 the sampler's distribution is
+    (greedy decodes are token-identical; tests compare both), also where few-row matmuls run as
+    (W @ x^T)^T (`transposed_gemm_is_faster`: the same product, summed in another order). In bf16 the sampler's distribution is
     the bf16 model's: the logprobs it returns are that distribution's, and a trainer must treat them
     as another policy's (truncated importance weights on the update's own logprobs; `envace.training.trainer`).
     With int8 copies (`--sampler-dtype int8`), matmuls of at most INT8_MAX_ROWS rows use the
