@@ -81,6 +81,7 @@ class ScriptedGenerator:
             outs.append(Completion(ids, [0.0] * len(ids), finish, self.tokenizer.decode(ids)))
         return outs
 
+
 def sequence_reply(replies: list[str]) -> Reply:
     """Reply with the given texts in order (shared across sessions), then an empty answer."""
     it = iter(replies)

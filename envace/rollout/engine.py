@@ -59,7 +59,7 @@ ADDED_TOOLS = "New tools you can call from now on:\n<tools>\n{tools}\n</tools>"
 REPLAYED = ReplayedUser()
 # Continuous batching: a generate call returns once this fraction of its rows has finished; the
 # others are paused and go on in the next call beside the next turns of those that finished.
-# (benchmarks/step_speed.py measures it; a compaction of the batch follows the same quarter.)
+# Not tuned: the quarter at which a batch compacts its finished rows (lean.StaticBatch.keep_rows).
 PAUSE_AT = 0.25
 
 
