@@ -64,6 +64,9 @@ class DemoConfig:
     rl_filter_groups: bool = field(True, help="GRPO with DAPO's dynamic sampling: up to 3 rounds of rollouts per step until rl_tasks_per_step groups "
                                               "carry a signal (8 x 4 for 6 steps from the 24-per-world warm start: +9/-0 of 120 test tasks with it, "
                                               "+3/-0 without; benchmarks/grpo_sweep.py, docs/training.md)")
+    rl_continuous_batching: bool = field(True, help="GRPO rollouts with continuous batching (`envace train --continuous-batching`): an episode "
+                                                    "that needs the policy joins the next generation call instead of waiting for its round "
+                                                    "(docs/performance.md)")
     rl_unseen_tasks: bool = field(True, help="GRPO on training tasks the warm start was not trained on (off: the first ones, the SFT's own among them)")
     rl_reward: str = field("partial", help="GRPO reward: partial (the verifier's partial credit: signal before a task is solved), replay (0/1), "
                                            "or reference (call F1 against the reference calls: no world runs)")
@@ -212,6 +215,7 @@ def in_fresh_process(fn: Any, *args: Any) -> tuple[Any, float]:
 
 def sft_config(cfg: DemoConfig, output_dir: Path) -> Any:
     """The demo's warm start: SFT on trajectories executed in the real training worlds."""
+    from envace.training.setup import resolve_precision
     from envace.training.sft import SFTConfig
 
     return build(SFTConfig, dict(model=cfg.model, n_per_world=cfg.sft_per_world, epochs=cfg.sft_epochs, lr=cfg.sft_lr, rows_per_step=cfg.sft_rows_per_step,
@@ -220,8 +224,9 @@ def sft_config(cfg: DemoConfig, output_dir: Path) -> Any:
                                  micro_batch_tokens=1024,
                                  # Under bf16 autocast the saved activations hold bf16 copies next to the fp32 residual
                                  # stream: this stage peaked at 5.13 GiB against 4.33 in fp32. Recomputing each layer's
-                                 # activations took it to 3.97 GiB for 1.1-1.24x its seconds, same losses (docs/performance.md).
-                                 activation_checkpointing=True,
+                                 # activations took it to 3.97 GiB for 1.1-1.24x its seconds, same losses; in fp32 the
+                                 # stage fits without it (docs/performance.md).
+                                 activation_checkpointing=resolve_precision("auto") == "bf16",
                                  # a checkpoint (weights + AdamW state, 1.6 GB) every 10 steps rather than after every step
                                  save_every=10))
 
@@ -242,6 +247,7 @@ def train_config(cfg: DemoConfig, output_dir: Path, init_from: str | None = None
                                    # 4096, 5.1 GiB with this (measured, docs/training.md), for the same update
                                    micro_batch_tokens=1024, tiny=cfg.tiny, seed=cfg.seed, progress=cfg.progress,
                                    rollout=dict(max_turn_tokens=cfg.max_turn_tokens, max_rehearse_tokens=128, temperature=cfg.rl_temperature,
+                                                continuous_batching=cfg.rl_continuous_batching,
                                                 rehearse_layout="isolated" if isolated else "transcript", grounding=cfg.rl_grounding)))
 
 

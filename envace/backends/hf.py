@@ -329,12 +329,9 @@ class HFGenerator:
         shared = {key: rows for key, rows in by_prompt.items() if len(rows) > 1}
         if not shared:
             return chunks
-        prefix = self._batch([list(key[:-1]) for key in shared], [None] * len(shared), max_new_tokens=0)
-        prefix.forward()
-        self.stats.prefill_tokens += sum(len(key) - 1 for key in shared)
+        kvs = self._prefill([list(key[:-1]) for key in shared], [None] * len(shared))
         chunks = list(chunks)
-        for row, (key, rows) in enumerate(shared.items()):
-            kv = prefix.row_kv(row)
+        for kv, (key, rows) in zip(kvs, shared.items()):
             for i in rows:
                 states[i].kv = kv
                 chunks[i] = [key[-1]]
@@ -347,14 +344,20 @@ class HFGenerator:
         long = [i for i, c in enumerate(chunks) if len(c) > 1]
         if not long or len(long) == len(chunks):
             return chunks
-        prefill = self._batch([chunks[i][:-1] for i in long], [states[i].kv for i in long], max_new_tokens=0)
-        prefill.forward()
-        self.stats.prefill_tokens += sum(len(chunks[i]) - 1 for i in long)
+        kvs = self._prefill([chunks[i][:-1] for i in long], [states[i].kv for i in long])
         chunks = list(chunks)
-        for row, i in enumerate(long):
-            states[i].kv = prefill.row_kv(row)
+        for kv, i in zip(kvs, long):
+            states[i].kv = kv
             chunks[i] = chunks[i][-1:]
         return chunks
+
+    def _prefill(self, prefixes: list[list[int]], kvs: list[KV | None]) -> list[KV]:
+        """Encode each prefix after its cache (None: from scratch) in a forward of their own: each
+        row's compact cache."""
+        batch = self._batch(prefixes, kvs, max_new_tokens=0)
+        batch.forward()
+        self.stats.prefill_tokens += sum(len(p) for p in prefixes)
+        return [batch.row_kv(row) for row in range(len(prefixes))]
 
     def _generate_batch(self, states: list[_Session], new_tokens: list[list[int]], params: list[SamplingParams],
                         pause_at: float | None = None) -> list[Completion]:
