@@ -64,9 +64,9 @@ class DemoConfig:
     rl_filter_groups: bool = field(True, help="GRPO with DAPO's dynamic sampling: up to 3 rounds of rollouts per step until rl_tasks_per_step groups "
                                               "carry a signal (8 x 4 for 6 steps from the 24-per-world warm start: +9/-0 of 120 test tasks with it, "
                                               "+3/-0 without; benchmarks/grpo_sweep.py, docs/training.md)")
-    rl_continuous_batching: bool = field(True, help="GRPO rollouts with continuous batching (`envace train --continuous-batching`): an episode "
-                                                    "that needs the policy joins the next generation call instead of waiting for its round "
-                                                    "(docs/performance.md)")
+    rl_continuous_batching: bool = field(False, help="GRPO rollouts with continuous batching (`envace train --continuous-batching`). Off: "
+                                                     "on this AVX2 EPYC it took the stage 482 -> 478 s, and its other draws gave GRPO minus SFT "
+                                                     "-0.025 [-0.075, +0.000] where the round schedule's gave +0.150 (docs/training.md)")
     rl_unseen_tasks: bool = field(True, help="GRPO on training tasks the warm start was not trained on (off: the first ones, the SFT's own among them)")
     rl_reward: str = field("partial", help="GRPO reward: partial (the verifier's partial credit: signal before a task is solved), replay (0/1), "
                                            "or reference (call F1 against the reference calls: no world runs)")
@@ -343,6 +343,7 @@ def report_markdown(summary: dict[str, Any], root: Path) -> str:
         f"SFT on {cfg['sft_per_world']} tasks per training world x {cfg['sft_epochs']} epoch{'s' if cfg['sft_epochs'] > 1 else ''}, then {cfg['rl_steps']} GRPO steps "
         f"({cfg['rl_tasks_per_step']} tasks x K={cfg['rl_k']}, reward `{cfg['rl_reward']}`"
         f"{', further rounds of rollouts until that many groups carry a signal' if cfg.get('rl_filter_groups') else ''}{grounded}"
+        f"{', continuous batching' if cfg.get('rl_continuous_batching') else ''}"
         f"{'' if variant == 'envace' else f', variant {variant}'}) {MODE_TEXT[VARIANTS.get(variant).rollout_mode]}. Greedy evaluation on "
         f"{cfg['eval_per_world']} test tasks per world (difficulty {cfg['difficulty']}). Total wall time {summary['total_s'] / 60:.1f} min "
         f"on {machine_line(summary['machine'])}.", "",

@@ -55,6 +55,7 @@ def test_demo_grpo_stage_takes_grounding_real_fraction_and_group_filtering_into_
     plain = train_config(build(DemoConfig, {}), tmp_path)
     assert (plain.rollout.rehearse_layout, plain.rollout.grounding, plain.real_fraction) == ("transcript", False, 0.0)
     assert plain.filter_groups and not train_config(build(DemoConfig, {"rl_filter_groups": False}), tmp_path).filter_groups
+    assert not plain.rollout.continuous_batching and train_config(build(DemoConfig, {"rl_continuous_batching": True}), tmp_path).rollout.continuous_batching
     assert plain.rehearse_sft_coef == 0.5 and train_config(build(DemoConfig, {"rl_rehearse_sft_coef": 0.0}), tmp_path).rehearse_sft_coef == 0.0
     grounded = train_config(build(DemoConfig, {"rl_grounding": True, "rl_rehearse_sft_coef": 0.0, "rl_real_fraction": 0.5}), tmp_path)
     # grounding exists only in the isolated simulator prompt: the flag must bring that layout with it
