@@ -1,4 +1,5 @@
-"""Where `envace train`'s update goes (issue #11: the update is at 31% of the bf16 matmul peak).
+"""Where `envace train`'s update goes (issue #11: the update is at 31% of the bf16 matmul peak), against
+the matmul peak of the precision it runs in.
 
 One GRPO step of the demo's settings (2 tasks x K = 4, rehearse mode, the step benchmark's
 alternating reward so every group trains), then the trainer's own update of those rollouts,
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # step_speed (its machine peak a
 import step_speed  # noqa: E402
 from envace.config import build  # noqa: E402
 from envace.training import trainer as trainer_mod  # noqa: E402
+from envace.training.setup import resolve_precision  # noqa: E402
 from envace.training.trainer import TrainConfig, Trainer  # noqa: E402
 
 RESULTS = Path("benchmarks/results/update_profile.json")
@@ -102,13 +104,17 @@ def main() -> None:
         model.zero_grad(set_to_none=True)
     split = op_split(prof)
     total = sum(split.values())
-    peak = results["machine"]["matmul_gflops_bf16"]
+    # The peak of the numerics the update runs in (bf16 autocast where the CPU has it, else fp32),
+    # measured before and after the update: on a shared machine one measurement fell to 0.5x.
+    precision = resolve_precision(cfg.precision)
+    peaks = [results["machine"][f"matmul_gflops_{precision}"], step_speed.machine(model)[f"matmul_gflops_{precision}"]]
+    peak = max(peaks)
     head = model.get_output_embeddings().weight.numel()
     # Forward + backward: 6 FLOPs per matmul parameter per token it runs on: the decoder's on every
     # forwarded token, the LM head's on the trained ones only (`sequence_logprobs(trained_only=True)`).
     flops = 6 * ((results["machine"]["matmul_params"] - head) * forwarded + head * metrics["policy/trained_tokens"])
     results |= {
-        "forwarded_tokens": forwarded, "update_seconds": updates, "phase_seconds": timer.seconds,
+        "precision": precision, "matmul_peak_gflops_before_after": peaks, "forwarded_tokens": forwarded, "update_seconds": updates, "phase_seconds": timer.seconds,
         "profiled_forward_backward_seconds": profiled, "self_cpu_seconds": split,
         "matmul_gflops_in_kernels": flops / split["matmul"] / 1e9,
         "forward_backward_gflops": flops / min(timer.seconds["forward+backward"]) / 1e9,
@@ -118,7 +124,7 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(results, indent=2))
     print(results["top_ops"])
     phases = ", ".join(f"{k} {', '.join(f'{s:.2f}' for s in v)} s" for k, v in timer.seconds.items())
-    print(f"bf16 matmul peak {peak:.0f} GFLOP/s; update of {forwarded:.0f} forwarded tokens: {', '.join(f'{s:.1f}' for s in updates)} s ({phases})")
+    print(f"{precision} matmul peak {peak:.0f} GFLOP/s (before / after: {peaks[0]:.0f} / {peaks[1]:.0f}); update of {forwarded:.0f} forwarded tokens: {', '.join(f'{s:.1f}' for s in updates)} s ({phases})")
     print(f"forward+backward self CPU: " + ", ".join(f"{k} {v:.2f} s ({v / total:.0%})" for k, v in split.items()))
     print(f"matmul kernels at {results['matmul_gflops_in_kernels']:.0f} GFLOP/s ({results['matmul_gflops_in_kernels'] / peak:.0%} of peak); "
           f"forward+backward overall {results['forward_backward_gflops']:.0f} GFLOP/s ({results['forward_backward_gflops'] / peak:.0%})")
