@@ -59,7 +59,7 @@ class DemoConfig:
                                              "(the reference implementation's privileged grounding; its world runs are counted as grounding)")
     rl_rehearse_sft_coef: float = field(0.5, help="GRPO with the rehearser grounded on the reference trajectories' tool responses "
                                                   "(`envace train --rehearse-sft-coef`; 0 = off). 0.5: +9/-0 of 80 test tasks against the warm "
-                                                  "start, 0: +7/-5 (two seeds, benchmarks/grpo_sweep.py, docs/training.md)")
+                                                  "start, 0: +7/-5 (two seeds; 0.5 on four: +9/-1 of 160), benchmarks/grpo_sweep.py, docs/training.md)")
     rl_real_fraction: float = field(0.0, help="share of each GRPO step's tasks rolled out against the real world (the rest rehearsed)")
     rl_filter_groups: bool = field(True, help="GRPO with DAPO's dynamic sampling: up to 3 rounds of rollouts per step until rl_tasks_per_step groups "
                                               "carry a signal (8 x 4 for 6 steps from the 24-per-world warm start: +9/-0 of 120 test tasks with it, "
