@@ -8,23 +8,18 @@ softmax(QK^T)V. SmolLM2-135M's 9 heads x 64; a 600-token causal row, and continu
 
 from __future__ import annotations
 
-import time
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).parent))
+from step_speed import best_of  # noqa: E402
+
 HEADS, HEAD_DIM = 9, 64
 SHAPES = ((0, 600), (500, 100), (500, 250))  # (prefix, continuation) tokens
 IMPLEMENTATIONS = ("sdpa-bool", "sdpa-float", "math")
-
-
-def best_of(n: int, fn) -> float:
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def forward_backward_seconds(prefix: int, n: int, implementation: str) -> float:
