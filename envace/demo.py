@@ -225,8 +225,8 @@ def sft_config(cfg: DemoConfig, output_dir: Path) -> Any:
                                  # Under bf16 autocast the saved activations hold bf16 copies next to the fp32 residual
                                  # stream: this stage peaked at 5.13 GiB against 4.33 in fp32. Recomputing each layer's
                                  # activations took it to 3.97 GiB for 1.1-1.24x its seconds, same losses; in fp32 the
-                                 # stage fits without it (docs/performance.md).
-                                 activation_checkpointing=resolve_precision("auto") == "bf16",
+                                 # stage fits without it (docs/performance.md). The demo keeps the SFT's own precision setting.
+                                 activation_checkpointing=resolve_precision(SFTConfig.precision) == "bf16",
                                  # a checkpoint (weights + AdamW state, 1.6 GB) every 10 steps rather than after every step
                                  save_every=10))
 
