@@ -205,6 +205,44 @@ def finish_reason(tokens: list[int], params: SamplingParams, tokenizer: Any) -> 
     return "length" if len(tokens) >= params.max_new_tokens else None
 
 
+# A prefix shorter than this is not shared: its separate forward would cost more than it saves
+# (prompts of different worlds share only the chat template's first few tokens).
+MIN_SHARED_PREFIX = 32
+
+
+def _common_length(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def shared_prefix_groups(seqs: list[list[int]], min_length: int) -> list[tuple[int, list[int]]]:
+    """Groups of `seqs` (indices) that share a prefix of at least `min_length` tokens, or are the
+    same sequence (of any length), each with the length to encode once: their longest common
+    prefix, less one token so that every member still feeds one. Sorted order puts sequences with long common prefixes side by side, and the common
+    prefix of a sorted run is that of its first and last, so one sweep finds the runs."""
+    order = sorted(range(len(seqs)), key=lambda i: seqs[i])
+    groups: list[tuple[int, list[int]]] = []
+    run, length = order[:1], 0
+    for i in order[1:]:
+        first = seqs[run[0]]
+        joined = min(_common_length(first, seqs[i]), len(first) - 1, len(seqs[i]) - 1)
+        if len(run) > 1:
+            joined = min(joined, length)
+        if joined >= min_length or seqs[i] == first:
+            run, length = run + [i], joined
+            continue
+        if len(run) > 1:
+            groups.append((length, run))
+        run, length = [i], 0
+    if len(run) > 1:
+        groups.append((length, run))
+    return groups
+
+
 class HFGenerator:
     """`Generator` over a local transformers causal LM (see the module docstring for the design)."""
 
@@ -316,25 +354,24 @@ class HFGenerator:
         return _Batch(self.model, chunks, kvs, self.pad_id, self.device)
 
     def _share_prompts(self, states: list[_Session], chunks: list[list[int]]) -> list[list[int]]:
-        """Sessions that start from the same prompt in one call (K rollouts of a task, N parallel
-        rehearsals) encode it once: all but its last token are prefilled for one copy and the
-        compact cache is shared (cache tensors are never written in place). Each session then
-        feeds only the last token, so each still samples its own continuation."""
+        """Sessions that start from a common prefix in one call encode it once: the K rollouts of a
+        task and N parallel rehearsals (one prompt), and the tasks of one world (one system prompt
+        and tool list, ~85% of each prompt in the builtin worlds). Each group's prefix is prefilled
+        for one copy and its compact cache shared (cache tensors are never written in place); each
+        session then feeds the rest of its prompt, at least its last token, so each still samples
+        its own continuation."""
         if not self.share_prompts:
             return chunks
-        by_prompt: dict[tuple[int, ...], list[int]] = {}
-        for i, (s, chunk) in enumerate(zip(states, chunks)):
-            if s.kv is None and len(chunk) > 1:
-                by_prompt.setdefault(tuple(chunk), []).append(i)
-        shared = {key: rows for key, rows in by_prompt.items() if len(rows) > 1}
-        if not shared:
+        fresh = [i for i, (s, chunk) in enumerate(zip(states, chunks)) if s.kv is None and len(chunk) > 1]
+        groups = shared_prefix_groups([chunks[i] for i in fresh], MIN_SHARED_PREFIX)
+        if not groups:
             return chunks
-        kvs = self._prefill([list(key[:-1]) for key in shared], [None] * len(shared))
+        kvs = self._prefill([chunks[fresh[members[0]]][:length] for length, members in groups], [None] * len(groups))
         chunks = list(chunks)
-        for kv, (key, rows) in zip(kvs, shared.items()):
-            for i in rows:
-                states[i].kv = kv
-                chunks[i] = [key[-1]]
+        for kv, (length, members) in zip(kvs, groups):
+            for m in members:
+                states[fresh[m]].kv = kv
+                chunks[fresh[m]] = chunks[fresh[m]][length:]
         return chunks
 
     def _prefill_apart(self, states: list[_Session], chunks: list[list[int]]) -> list[list[int]]:
