@@ -420,6 +420,30 @@ def test_default_model_chat_reply():
     assert "paris" in reply.text.lower()
 
 
+@pytest.mark.slow
+def test_default_model_world_prompts_share_their_prefix_with_the_same_greedy_outputs():
+    """The real model on builtin test tasks of two worlds: grouping by common prefix (the world's
+    system prompt and tools) leaves every greedy token as separate encodings give it."""
+    from envace.envs.environment import WorldEnvironment
+    from envace.envs.tasks import builtin_tasks
+    from envace.transcript import Transcript
+
+    shared = make_generator("default", device="cpu")
+    transcript, env = Transcript(shared.tokenizer), WorldEnvironment()
+    tasks = builtin_tasks("test", 2, worlds=["bank", "shop"], difficulty=1, seed=0)
+    prompts = [transcript.prompt(t.messages, *env.describe(t)).token_ids for t in tasks]
+    params = SamplingParams(max_new_tokens=24, temperature=0)
+    apart = HFGenerator(shared.model, shared.tokenizer, share_prompts=False)
+    expected = apart.generate(apart.open(len(prompts)), prompts, params)
+    outs = shared.generate(shared.open(len(prompts)), prompts, params)
+    assert [o.token_ids for o in outs] == [e.token_ids for e in expected]
+    # each world's two prompts: the part they have in common is encoded once instead of twice
+    by_world = {w: [p for t, p in zip(tasks, prompts) if t.world == w] for w in ("bank", "shop")}
+    common = [next(i for i, (x, y) in enumerate(zip(a, b)) if x != y) for a, b in by_world.values()]
+    assert min(common) >= 300
+    assert shared.stats.prefill_tokens == apart.stats.prefill_tokens - sum(common)
+
+
 # ---- weight refresh (Generator.sync_weights) and seeding ------------------------------------
 
 def _greedy(generator, prompt):

@@ -34,7 +34,8 @@ Prefill accounting (exact)
     CPU: docs/performance.md). For a session after k calls:
         prefill == sum(len(new_tokens)) + (k - 1)
         prefill + decode == len(sequence) - 1
-    i.e. nothing is ever encoded twice.
+    i.e. nothing is ever encoded twice; with `share_prompts` a prefix that several fresh sessions
+    of one call share (`_share_prompts`) is encoded, and counted, once for all of them.
 
 Memory bound
     Between calls the cache holds exactly (sum over open sessions of their sequence length - 1)
