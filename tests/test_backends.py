@@ -141,32 +141,33 @@ def test_shared_prefix_groups_by_hand():
     # sorted: a, d, b, c. a and d agree on all 5 (encode 4: each feeds >= 1), b on 3, c on none
     assert hf.shared_prefix_groups([a, b, c, d], min_length=3) == [(3, [0, 3, 1])]
     assert hf.shared_prefix_groups([a, b, c, d], min_length=4) == [(4, [0, 3])]
-    # the same prompt shares whatever its length; a short common prefix of different ones does not
-    assert hf.shared_prefix_groups([[5, 6], [5, 6], [5, 7]], min_length=32) == [(1, [0, 1])]
-    assert hf.shared_prefix_groups([[5, 6, 7], [5, 6, 8]], min_length=32) == []
+    assert hf.shared_prefix_groups([[5, 6, 7], [5, 6, 8]], min_length=32) == []  # too short to be worth a forward
     assert hf.shared_prefix_groups([[5, 6]], min_length=1) == []
 
 
 def test_sessions_under_one_system_prompt_encode_it_once(model, tokenizer, prompts):
-    """The tasks of one world: different prompts behind one long system prompt. The common part
-    is prefilled once, the rest per session, and greedy results equal separate generation."""
+    """The tasks of one world, one of them rolled out twice: different prompts behind one long
+    system prompt. The common part is prefilled once, the rest of the repeated prompt once more,
+    the rest per session; greedy results equal separate generation."""
     system = tokenizer.encode("You are a careful banking assistant. Use the tools to look up accounts, move money "
                               "between them and report balances; never invent an account id or a number.")
     assert len(system) >= hf.MIN_SHARED_PREFIX
     first, second, other = system + tokenizer.encode(" Pay the rent"), system + tokenizer.encode(" What is my balance?"), prompts[0]
     greedy = SamplingParams(max_new_tokens=6, temperature=0)
     alone = HFGenerator(model, tokenizer)
-    expected = [alone.generate(alone.open(1), [p], greedy)[0] for p in (first, second, other)]
+    expected = [alone.generate(alone.open(1), [p], greedy)[0] for p in (first, second, other, first)]
 
     gen = HFGenerator(model, tokenizer)
-    outs = gen.generate(gen.open(3), [first, second, other], greedy)
+    outs = gen.generate(gen.open(4), [first, second, other, first], greedy)
     assert [o.token_ids for o in outs] == [e.token_ids for e in expected]
     for out, exp in zip(outs, expected):
         assert max(abs(a - b) for a, b in zip(out.logprobs, exp.logprobs)) < TOL
-    assert gen.stats.prefill_tokens == len(system) + (len(first) - len(system)) + (len(second) - len(system)) + len(other)
+    assert gen.stats.prefill_tokens == (len(system)  # the world's prefix, once
+                                        + (len(first) - 1 - len(system)) + 2  # the repeated prompt's rest once, its last token per session
+                                        + (len(second) - len(system)) + len(other))
     unshared = HFGenerator(model, tokenizer, share_prompts=False)
-    unshared.generate(unshared.open(3), [first, second, other], greedy)
-    assert unshared.stats.prefill_tokens == len(first) + len(second) + len(other)
+    unshared.generate(unshared.open(4), [first, second, other, first], greedy)
+    assert unshared.stats.prefill_tokens == 2 * len(first) + len(second) + len(other)
 
 
 def test_prefill_never_reencodes_prefix(model, tokenizer, prompts):

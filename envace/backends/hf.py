@@ -221,9 +221,9 @@ def _common_length(a: list[int], b: list[int]) -> int:
 
 
 def shared_prefix_groups(seqs: list[list[int]], min_length: int) -> list[tuple[int, list[int]]]:
-    """Groups of `seqs` (indices) that share a prefix of at least `min_length` tokens, or are the
-    same sequence (of any length), each with the length to encode once: their longest common
-    prefix, less one token so that every member still feeds one. Sorted order puts sequences with long common prefixes side by side, and the common
+    """Groups of `seqs` (indices) that share a prefix of at least `min_length` tokens, each with the
+    length to encode once: their longest common prefix, less one token so that every member still
+    feeds one. Sorted order puts sequences with long common prefixes side by side, and the common
     prefix of a sorted run is that of its first and last, so one sweep finds the runs."""
     order = sorted(range(len(seqs)), key=lambda i: seqs[i])
     groups: list[tuple[int, list[int]]] = []
@@ -233,7 +233,7 @@ def shared_prefix_groups(seqs: list[list[int]], min_length: int) -> list[tuple[i
         joined = min(_common_length(first, seqs[i]), len(first) - 1, len(seqs[i]) - 1)
         if len(run) > 1:
             joined = min(joined, length)
-        if joined >= min_length or seqs[i] == first:
+        if joined >= min_length:
             run, length = run + [i], joined
             continue
         if len(run) > 1:
@@ -355,24 +355,37 @@ class HFGenerator:
         return _Batch(self.model, chunks, kvs, self.pad_id, self.device)
 
     def _share_prompts(self, states: list[_Session], chunks: list[list[int]]) -> list[list[int]]:
-        """Sessions that start from a common prefix in one call encode it once: the K rollouts of a
-        task and N parallel rehearsals (one prompt), and the tasks of one world (one system prompt
-        and tool list, ~85% of each prompt in the builtin worlds). Each group's prefix is prefilled
-        for one copy and its compact cache shared (cache tensors are never written in place); each
-        session then feeds the rest of its prompt, at least its last token, so each still samples
-        its own continuation."""
+        """Fresh sessions of one call encode what they have in common once, at two levels: the prefix
+        that different prompts share (the tasks of one world: its system prompt and tool list, ~85%
+        of each prompt in the builtin worlds), then the rest of a prompt that several sessions start
+        from (the K rollouts of a task, N parallel rehearsals) but its last token. The compact
+        caches are shared (cache tensors are never written in place); each session feeds what is
+        left, at least the last token, so each still samples its own continuation."""
         if not self.share_prompts:
             return chunks
-        fresh = [i for i, (s, chunk) in enumerate(zip(states, chunks)) if s.kv is None and len(chunk) > 1]
-        groups = shared_prefix_groups([chunks[i] for i in fresh], MIN_SHARED_PREFIX)
-        if not groups:
-            return chunks
-        kvs = self._prefill([chunks[fresh[members[0]]][:length] for length, members in groups], [None] * len(groups))
+        sessions: dict[tuple[int, ...], list[int]] = {}
+        for i, (s, chunk) in enumerate(zip(states, chunks)):
+            if s.kv is None and len(chunk) > 1:
+                sessions.setdefault(tuple(chunk), []).append(i)
+        prompts = [list(p) for p in sessions]
+        kvs: list[KV | None] = [None] * len(prompts)
+        encoded = [0] * len(prompts)  # tokens of each prompt in its cache
+        groups = shared_prefix_groups(prompts, MIN_SHARED_PREFIX)
+        if groups:
+            prefix_kvs = self._prefill([prompts[members[0]][:length] for length, members in groups], [None] * len(groups))
+            for kv, (length, members) in zip(prefix_kvs, groups):
+                for j in members:
+                    kvs[j], encoded[j] = kv, length
+        repeated = [j for j, rows in enumerate(sessions.values()) if len(rows) > 1 and encoded[j] < len(prompts[j]) - 1]
+        if repeated:
+            rest_kvs = self._prefill([prompts[j][encoded[j]:-1] for j in repeated], [kvs[j] for j in repeated])
+            for kv, j in zip(rest_kvs, repeated):
+                kvs[j], encoded[j] = kv, len(prompts[j]) - 1
         chunks = list(chunks)
-        for kv, (length, members) in zip(kvs, groups):
-            for m in members:
-                states[fresh[m]].kv = kv
-                chunks[fresh[m]] = chunks[fresh[m]][length:]
+        for j, rows in enumerate(sessions.values()):
+            for i in rows:
+                states[i].kv = kvs[j]
+                chunks[i] = chunks[i][encoded[j]:]
         return chunks
 
     def _prefill_apart(self, states: list[_Session], chunks: list[list[int]]) -> list[list[int]]:
