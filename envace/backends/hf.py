@@ -371,6 +371,10 @@ class HFGenerator:
         kvs: list[KV | None] = [None] * len(prompts)
         encoded = [0] * len(prompts)  # tokens of each prompt in its cache
         groups = shared_prefix_groups(prompts, MIN_SHARED_PREFIX)
+        grouped = {j for _, members in groups for j in members}
+        # A repeated prompt that shares no prefix with another goes in the first forward whole (but
+        # its last token), beside the groups' prefixes: the second then holds only short rests.
+        groups += [(len(prompts[j]) - 1, [j]) for j, rows in enumerate(sessions.values()) if len(rows) > 1 and j not in grouped]
         if groups:
             prefix_kvs = self._prefill([prompts[members[0]][:length] for length, members in groups], [None] * len(groups))
             for kv, (length, members) in zip(prefix_kvs, groups):
