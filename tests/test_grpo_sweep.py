@@ -140,3 +140,33 @@ def test_the_pooled_table_compares_each_row_with_its_warm_start_and_the_first_ro
         grpo_sweep.pooled_table([one, two], ["a", "c"])
     with pytest.raises(SystemExit, match=r"--pool .*nowhere: no finished rows \['a'\]"):
         grpo_sweep.pooled_table([tmp_path / "nowhere"], ["a"])
+
+
+@pytest.mark.slow
+def test_a_sweep_trains_evaluates_and_compares_its_rows_and_a_rerun_keeps_every_finished_stage(tmp_path, monkeypatch):
+    """grpo_sweep.run end to end on a tiny model: two rows from one warm start, each trained,
+    evaluated and compared task by task with it; a second call runs no stage again."""
+    stages = []
+
+    def in_this_process(fn, *args):  # counts the stages (the sweep spawns a process per stage)
+        stages.append(fn.__name__)
+        return fn(*args), 0.0
+
+    monkeypatch.setattr(grpo_sweep, "in_fresh_process", in_this_process)
+    tiny = dict(tiny=True, sft_per_world=2, sft_epochs=1, rl_steps=1, rl_tasks_per_step=1, rl_k=2, max_turn_tokens=16)
+    defs = {"tiny-a": tiny, "tiny-b": dict(tiny, rl_lr=1e-5)}
+    settings = {"seed": 0, "eval_per_world": 1, "eval_sampler_dtype": "f32"}
+    results = grpo_sweep.run(tmp_path, list(defs), settings, defs=defs)
+    assert stages == ["run_sft", "evaluate_model", "run_train", "evaluate_model", "run_train", "evaluate_model"]
+    for row in defs:
+        assert results[f"warm-of-{row}"] == results["warm-of-tiny-a"]  # one warm start for both
+        assert results[f"compare-{row}"]["success"]["n"] == 5  # one test task per world, the held-out one's included
+        assert [step["step"] for step in results[f"curve-{row}"]] == [1]
+    table = (tmp_path / "results.md").read_text()
+    assert all(f"| {row} |" in table for row in defs)
+
+    stages.clear()
+    assert grpo_sweep.run(tmp_path, list(defs), settings, defs=defs)["compare-tiny-b"] == results["compare-tiny-b"]
+    assert stages == []
+    with pytest.raises(SystemExit, match="holds a sweep with seed 0: pass that --seed or another --out"):
+        grpo_sweep.run(tmp_path, list(defs), settings | {"seed": 1}, defs=defs)
