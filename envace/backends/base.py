@@ -24,6 +24,16 @@ class SamplingParams:
 ParamsArg = Union[SamplingParams, Sequence[SamplingParams]]
 
 
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def per_session(params: ParamsArg, n: int) -> list[SamplingParams]:
     """The params of each of `n` sessions."""
     if isinstance(params, SamplingParams):

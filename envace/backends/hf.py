@@ -63,7 +63,8 @@ from typing import Any, Iterator
 import torch
 from transformers import DynamicCache
 
-from envace.backends.base import Completion, GenStats, ParamsArg, PolicyWeights, SamplingParams, StaleSessionsError, check_call, per_session
+from envace.backends.base import (Completion, GenStats, ParamsArg, PolicyWeights, SamplingParams, StaleSessionsError, check_call,
+                                  common_prefix_length, per_session)
 from envace.backends.lean import KV, LeanWeights, StaticBatch, lean_support
 
 
@@ -211,15 +212,6 @@ def finish_reason(tokens: list[int], params: SamplingParams, tokenizer: Any) -> 
 MIN_SHARED_PREFIX = 32
 
 
-def _common_length(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def shared_prefix_groups(seqs: list[list[int]], min_length: int) -> list[tuple[int, list[int]]]:
     """Groups of `seqs` (indices) that share a prefix of at least `min_length` tokens, each with the
     length to encode once: their longest common prefix, less one token so that every member still
@@ -230,7 +222,7 @@ def shared_prefix_groups(seqs: list[list[int]], min_length: int) -> list[tuple[i
     run, length = order[:1], 0
     for i in order[1:]:
         first = seqs[run[0]]
-        joined = min(_common_length(first, seqs[i]), len(first) - 1, len(seqs[i]) - 1)
+        joined = min(common_prefix_length(first, seqs[i]), len(first) - 1, len(seqs[i]) - 1)
         if len(run) > 1:
             joined = min(joined, length)
         if joined >= min_length:

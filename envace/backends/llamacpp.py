@@ -102,6 +102,7 @@ from envace.backends.base import (
     SamplingParams,
     StaleSessionsError,
     check_call,
+    common_prefix_length,
     per_session,
 )
 from envace.backends.hf import finish_reason
@@ -424,15 +425,6 @@ class _Result:
     requests: int = 0
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def _request_seed(seed: int, call: int, row: int, part: int) -> int:
     digest = hashlib.blake2b(f"{seed}:{call}:{row}:{part}".encode(), digest_size=4).digest()
     return min(int.from_bytes(digest, "little"), 0xFFFFFFFE)  # 0xFFFFFFFF = llama.cpp's "random seed"
@@ -623,7 +615,7 @@ class LlamaCppGenerator:
             if s.slot is None:
                 free = [k for k in range(self.max_sessions) if k not in taken]
                 # a free slot before evicting a session; then the longest cached prefix; then LRU
-                k = max(free, key=lambda k: (self._slot_owner[k] is None, _common_prefix(self._slot_tokens[k], prompt),
+                k = max(free, key=lambda k: (self._slot_owner[k] is None, common_prefix_length(self._slot_tokens[k], prompt),
                                              -self._slot_used[k]))
                 owner = self._slot_owner[k]
                 if owner is not None:
