@@ -201,27 +201,15 @@ def _measured(fn: Any, *args: Any) -> tuple[Any, float]:
     return fn(*args), peak_rss_gib()
 
 
-# What the stages import: the server that forks them imports it once (each spawned stage spent
-# 5.6-7.3 s on these imports here, five stages per demo).
-STAGE_MODULES = ["torch", "transformers", "peft", "accelerate", "envace.training.sft", "envace.training.trainer", "envace.evaluation.runner"]
-
-
 def in_fresh_process(fn: Any, *args: Any) -> tuple[Any, float]:
-    """fn(*args) in a fresh process: (its result, the process's peak RSS in GiB). Each stage's
+    """fn(*args) in a spawned process: (its result, the process's peak RSS in GiB). Each stage's
     memory goes back to the system when it ends, so the demo's peak is its largest stage's; in one
     process the allocator kept what earlier stages freed, and the demo peaked at 11.3 GB against
-    5.8 GB for its largest stage (the SFT) alone. Where the platform has it, the process is forked
-    from multiprocessing's fork server, which imported STAGE_MODULES once and runs no torch op
-    (no thread pool exists when it forks); elsewhere it is spawned."""
+    5.8 GB for its largest stage (the SFT) alone."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    if "forkserver" in multiprocessing.get_all_start_methods():
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(STAGE_MODULES)
-    else:
-        context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(_measured, fn, *args).result()
 
 
@@ -239,7 +227,7 @@ def sft_config(cfg: DemoConfig, output_dir: Path) -> Any:
                                  # activations took it to 3.97 GiB for 1.1-1.24x its seconds, same losses; in fp32 the
                                  # stage fits without it (docs/performance.md). The demo keeps the SFT's own precision setting.
                                  activation_checkpointing=resolve_precision(SFTConfig.precision) == "bf16",
-                                 # a checkpoint (weights + AdamW state, 1.6 GB, 4-7 s to write here) every 20 of the 40 steps:
+                                 # a checkpoint (weights + AdamW state, 1.6 GB, ~5 s to write here) every 20 of the 40 steps:
                                  # a crash loses at most ~3.5 min of the stage
                                  save_every=20))
 
