@@ -360,22 +360,23 @@ class HFGenerator:
             if s.kv is None and len(chunk) > 1:
                 sessions.setdefault(tuple(chunk), []).append(i)
         prompts = [list(p) for p in sessions]
+        repeated = [len(rows) > 1 for rows in sessions.values()]  # several sessions start from prompt j
         kvs: list[KV | None] = [None] * len(prompts)
         encoded = [0] * len(prompts)  # tokens of each prompt in its cache
         groups = shared_prefix_groups(prompts, MIN_SHARED_PREFIX)
         grouped = {j for _, members in groups for j in members}
         # A repeated prompt that shares no prefix with another goes in the first forward whole (but
         # its last token), beside the groups' prefixes: the second then holds only short rests.
-        groups += [(len(prompts[j]) - 1, [j]) for j, rows in enumerate(sessions.values()) if len(rows) > 1 and j not in grouped]
+        groups += [(len(prompts[j]) - 1, [j]) for j in range(len(prompts)) if repeated[j] and j not in grouped]
         if groups:
             prefix_kvs = self._prefill([prompts[members[0]][:length] for length, members in groups], [None] * len(groups))
             for kv, (length, members) in zip(prefix_kvs, groups):
                 for j in members:
                     kvs[j], encoded[j] = kv, length
-        repeated = [j for j, rows in enumerate(sessions.values()) if len(rows) > 1 and encoded[j] < len(prompts[j]) - 1]
-        if repeated:
-            rest_kvs = self._prefill([prompts[j][encoded[j]:-1] for j in repeated], [kvs[j] for j in repeated])
-            for kv, j in zip(rest_kvs, repeated):
+        rests = [j for j in range(len(prompts)) if repeated[j] and encoded[j] < len(prompts[j]) - 1]
+        if rests:
+            rest_kvs = self._prefill([prompts[j][encoded[j]:-1] for j in rests], [kvs[j] for j in rests])
+            for kv, j in zip(rest_kvs, rests):
                 kvs[j], encoded[j] = kv, len(prompts[j]) - 1
         chunks = list(chunks)
         for j, rows in enumerate(sessions.values()):
