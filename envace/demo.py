@@ -213,20 +213,26 @@ def in_fresh_process(fn: Any, *args: Any) -> tuple[Any, float]:
         return pool.submit(_measured, fn, *args).result()
 
 
+def recompute_activations(options: type) -> bool:
+    """Whether a training stage (its config class: its own precision setting) recomputes each
+    decoder layer's activations in the backward: where it runs under bf16 autocast, whose saved
+    activations hold bf16 copies beside the fp32 residual stream. Measured (docs/performance.md,
+    "Memory"): the SFT stage 5.13 -> 3.97 GiB for 1.1-1.24x its seconds (an AMD EPYC with
+    avx512_bf16), the GRPO stage 6.23 -> 5.04 GiB for +5% of its update seconds and the same
+    weights bit for bit (an Intel Xeon with AMX). In fp32 both stages fit without it."""
+    from envace.training.setup import resolve_precision
+
+    return resolve_precision(options.precision) == "bf16"
+
+
 def sft_config(cfg: DemoConfig, output_dir: Path) -> Any:
     """The demo's warm start: SFT on trajectories executed in the real training worlds."""
-    from envace.training.setup import resolve_precision
     from envace.training.sft import SFTConfig
 
     return build(SFTConfig, dict(model=cfg.model, n_per_world=cfg.sft_per_world, epochs=cfg.sft_epochs, lr=cfg.sft_lr, rows_per_step=cfg.sft_rows_per_step,
                                  difficulty=cfg.difficulty, output_dir=str(output_dir), tiny=cfg.tiny, seed=cfg.seed, progress=cfg.progress,
                                  # one trajectory per micro-batch, as in the GRPO stage: the largest stage's peak is the demo's
-                                 micro_batch_tokens=1024,
-                                 # Under bf16 autocast the saved activations hold bf16 copies next to the fp32 residual
-                                 # stream: this stage peaked at 5.13 GiB against 4.33 in fp32. Recomputing each layer's
-                                 # activations took it to 3.97 GiB for 1.1-1.24x its seconds, same losses; in fp32 the
-                                 # stage fits without it (docs/performance.md). The demo keeps the SFT's own precision setting.
-                                 activation_checkpointing=resolve_precision(SFTConfig.precision) == "bf16",
+                                 micro_batch_tokens=1024, activation_checkpointing=recompute_activations(SFTConfig),
                                  # a checkpoint (weights + AdamW state, 1.6 GB, ~5 s to write here) every 20 of the 40 steps:
                                  # a crash loses at most ~3.5 min of the stage
                                  save_every=20))
@@ -246,7 +252,8 @@ def train_config(cfg: DemoConfig, output_dir: Path, init_from: str | None = None
                                    lr=cfg.rl_lr, reward=cfg.rl_reward, rehearse_sft_coef=cfg.rl_rehearse_sft_coef, real_fraction=cfg.rl_real_fraction, filter_groups=cfg.rl_filter_groups, unseen_tasks=cfg.rl_unseen_tasks, difficulty=cfg.difficulty, output_dir=str(output_dir), save_every=cfg.rl_steps,
                                    # one task group (~1.5-3k packed tokens) per micro-batch: the GRPO stage peaked at 8.9 GiB with
                                    # 4096, 5.1 GiB with this (measured, docs/training.md), for the same update
-                                   micro_batch_tokens=1024, tiny=cfg.tiny, seed=cfg.seed, progress=cfg.progress,
+                                   micro_batch_tokens=1024, activation_checkpointing=recompute_activations(TrainConfig),
+                                   tiny=cfg.tiny, seed=cfg.seed, progress=cfg.progress,
                                    rollout=dict(max_turn_tokens=cfg.max_turn_tokens, max_rehearse_tokens=128, temperature=cfg.rl_temperature,
                                                 continuous_batching=cfg.rl_continuous_batching,
                                                 rehearse_layout="isolated" if isolated else "transcript", grounding=cfg.rl_grounding)))

@@ -205,3 +205,16 @@ def test_pooled_comparison_keeps_each_pairs_tasks_apart(tmp_path):
     pooled = compare_pooled([(write("b0", 0.0), write("a0", 1.0)), (write("b1", 1.0), write("a1", 1.0))])
     assert (pooled["success"]["n"], pooled["success"]["mean_diff"], pooled["success"]["better"], pooled["success"]["same"]) == (2, 0.5, 1, 1)
     assert pooled["partial_credit"]["mean_diff"] == 0.25
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_both_training_stages_recompute_activations_exactly_where_they_train_under_bf16(tmp_path, monkeypatch, bf16):
+    """Under bf16 autocast the saved activations are the demo's peak memory (docs/performance.md,
+    "Memory"); in fp32 the stages fit without recomputing them and run faster."""
+    import envace.training.setup as setup
+    from envace.demo import sft_config, train_config
+
+    monkeypatch.setattr(setup, "native_bf16", lambda: bf16)
+    cfg = build(DemoConfig, {})
+    assert sft_config(cfg, tmp_path).activation_checkpointing is bf16
+    assert train_config(cfg, tmp_path).activation_checkpointing is bf16
