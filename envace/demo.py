@@ -17,7 +17,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from envace.config import ConfigError, build, field, to_dict
 from envace.evaluation.report import markdown_table, pooled_success
@@ -44,6 +44,10 @@ class DemoConfig:
     sft_epochs: int = field(2, help="SFT epochs (2: twice the success and an eighth of the malformed outputs of 1, measured in benchmarks/grpo_sweep.py)")
     sft_lr: float = field(2e-4, help="SFT learning rate")
     sft_rows_per_step: int = field(2, help="trajectories per SFT step (fewer: more updates for the same compute)")
+    sft_precision: Literal["auto", "fp32", "bf16"] = field(
+        "fp32", help="the SFT stage's forward/backward precision (`envace sft --precision`). fp32: on an AMX Xeon, same seed and "
+                     "data, the bf16-autocast warm start wrote 18 malformed calls of 40 test tasks (the fp32 one 1) and 3 GRPO "
+                     "steps from it moved no task on 3 seeds; from the fp32 one +6/-0 (docs/training.md)")
     rl_variant: str = field("envace", help="the GRPO stage's training variant (`envace train --variant`; the baselines for "
                                            "benchmarks/variants_experiment.py). The demo trains envace")
     rl_simulator_model: str = field("warm", help="--rl-variant simulator: the frozen model that answers the rollouts' calls: warm (the warm "
@@ -213,16 +217,16 @@ def in_fresh_process(fn: Any, *args: Any) -> tuple[Any, float]:
         return pool.submit(_measured, fn, *args).result()
 
 
-def recompute_activations(options: type) -> bool:
-    """Whether a training stage (its config class: its own precision setting) recomputes each
-    decoder layer's activations in the backward: where it runs under bf16 autocast, whose saved
+def recompute_activations(precision: str) -> bool:
+    """Whether a training stage of this precision setting recomputes each decoder layer's
+    activations in the backward: where it runs under bf16 autocast, whose saved
     activations hold bf16 copies beside the fp32 residual stream. Measured (docs/performance.md,
     "Memory"): the SFT stage 5.13 -> 3.97 GiB for 1.1-1.24x its seconds (an AMD EPYC with
     avx512_bf16), the GRPO stage 6.23 -> 5.04 GiB for +5% of its update seconds and the same
     weights bit for bit (an Intel Xeon with AMX). In fp32 both stages fit without it."""
     from envace.training.setup import resolve_precision
 
-    return resolve_precision(options.precision) == "bf16"
+    return resolve_precision(precision) == "bf16"
 
 
 def sft_config(cfg: DemoConfig, output_dir: Path) -> Any:
@@ -232,7 +236,7 @@ def sft_config(cfg: DemoConfig, output_dir: Path) -> Any:
     return build(SFTConfig, dict(model=cfg.model, n_per_world=cfg.sft_per_world, epochs=cfg.sft_epochs, lr=cfg.sft_lr, rows_per_step=cfg.sft_rows_per_step,
                                  difficulty=cfg.difficulty, output_dir=str(output_dir), tiny=cfg.tiny, seed=cfg.seed, progress=cfg.progress,
                                  # one trajectory per micro-batch, as in the GRPO stage: the largest stage's peak is the demo's
-                                 micro_batch_tokens=1024, activation_checkpointing=recompute_activations(SFTConfig),
+                                 precision=cfg.sft_precision, micro_batch_tokens=1024, activation_checkpointing=recompute_activations(cfg.sft_precision),
                                  # a checkpoint (weights + AdamW state, 1.6 GB, ~5 s to write here) every 20 of the 40 steps:
                                  # a crash loses at most ~3.5 min of the stage
                                  save_every=20))
@@ -252,7 +256,7 @@ def train_config(cfg: DemoConfig, output_dir: Path, init_from: str | None = None
                                    lr=cfg.rl_lr, reward=cfg.rl_reward, rehearse_sft_coef=cfg.rl_rehearse_sft_coef, real_fraction=cfg.rl_real_fraction, filter_groups=cfg.rl_filter_groups, unseen_tasks=cfg.rl_unseen_tasks, difficulty=cfg.difficulty, output_dir=str(output_dir), save_every=cfg.rl_steps,
                                    # one task group (~1.5-3k packed tokens) per micro-batch: the GRPO stage peaked at 8.9 GiB with
                                    # 4096, 5.1 GiB with this (measured, docs/training.md), for the same update
-                                   micro_batch_tokens=1024, activation_checkpointing=recompute_activations(TrainConfig),
+                                   micro_batch_tokens=1024, activation_checkpointing=recompute_activations(TrainConfig.precision),
                                    tiny=cfg.tiny, seed=cfg.seed, progress=cfg.progress,
                                    rollout=dict(max_turn_tokens=cfg.max_turn_tokens, max_rehearse_tokens=128, temperature=cfg.rl_temperature,
                                                 continuous_batching=cfg.rl_continuous_batching,
@@ -348,7 +352,7 @@ def report_markdown(summary: dict[str, Any], root: Path) -> str:
     lines = [
         "# envace demo report", "",
         f"Model: `{cfg['model']}`{' (tiny random model: a smoke test of the pipeline, not a result)' if cfg['tiny'] else ''}; "
-        f"SFT on {cfg['sft_per_world']} tasks per training world x {cfg['sft_epochs']} epoch{'s' if cfg['sft_epochs'] > 1 else ''}, then {cfg['rl_steps']} GRPO steps "
+        f"SFT{'' if cfg.get('sft_precision', 'auto') == 'auto' else ' in ' + cfg['sft_precision']} on {cfg['sft_per_world']} tasks per training world x {cfg['sft_epochs']} epoch{'s' if cfg['sft_epochs'] > 1 else ''}, then {cfg['rl_steps']} GRPO steps "
         f"({cfg['rl_tasks_per_step']} tasks x K={cfg['rl_k']}, reward `{cfg['rl_reward']}`"
         f"{', further rounds of rollouts until that many groups carry a signal' if cfg.get('rl_filter_groups') else ''}{grounded}"
         f"{', continuous batching' if cfg.get('rl_continuous_batching') else ''}"

@@ -215,6 +215,9 @@ def test_both_training_stages_recompute_activations_exactly_where_they_train_und
     from envace.demo import sft_config, train_config
 
     monkeypatch.setattr(setup, "native_bf16", lambda: bf16)
-    cfg = build(DemoConfig, {})
-    assert sft_config(cfg, tmp_path).activation_checkpointing is bf16
-    assert train_config(cfg, tmp_path).activation_checkpointing is bf16
+    assert train_config(build(DemoConfig, {}), tmp_path).activation_checkpointing is bf16
+    # the SFT stage trains in fp32 by default (its bf16 warm start broke the call format), so recomputes nothing
+    sft = sft_config(build(DemoConfig, {}), tmp_path)
+    assert (sft.precision, sft.activation_checkpointing) == ("fp32", False)
+    sft = sft_config(build(DemoConfig, {"sft_precision": "auto"}), tmp_path)
+    assert (sft.precision, sft.activation_checkpointing) == ("auto", bf16)
