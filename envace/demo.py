@@ -47,7 +47,7 @@ class DemoConfig:
     sft_precision: Literal["auto", "fp32", "bf16"] = field(
         "fp32", help="the SFT stage's forward/backward precision (`envace sft --precision`). fp32: on an AMX Xeon, same seed and "
                      "data, the bf16-autocast warm start wrote 18 malformed calls of 40 test tasks (the fp32 one 1) and 3 GRPO "
-                     "steps from it moved no task on 4 seeds; from the fp32 one +6/-0 (docs/training.md)")
+                     "steps from it moved no task on 4 seeds; from the fp32 one +6/-0 in one draw, 0/0 in another (docs/training.md)")
     rl_variant: str = field("envace", help="the GRPO stage's training variant (`envace train --variant`; the baselines for "
                                            "benchmarks/variants_experiment.py). The demo trains envace")
     rl_simulator_model: str = field("warm", help="--rl-variant simulator: the frozen model that answers the rollouts' calls: warm (the warm "
