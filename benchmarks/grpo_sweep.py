@@ -97,6 +97,9 @@ ROWS: dict[str, dict] = {
     # during every GRPO run above, since only the task reward trains REHEARSE.
     "current-demo": {**UNGROUNDED},
     "rehearse-sft-0.5": {"rl_rehearse_sft_coef": 0.5},
+    # The same with its rollouts continuously batched (`--rl-continuous-batching`): the same
+    # trajectories under greedy decoding, other draws when sampling; does that change what GRPO learns?
+    "rehearse-sft-0.5-continuous": {"rl_rehearse_sft_coef": 0.5, "rl_continuous_batching": True},
 }
 
 # A continued row resumes the finished run of the row it names for its further steps: with the
