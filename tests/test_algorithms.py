@@ -520,6 +520,26 @@ def test_prefix_grouped_attention_matches_the_masked_attention_of_each_row():
         prefix_grouped_attention(None, q[:1], k[:1], v[:1], None, packed_layout=layout)
 
 
+def test_prefix_grouped_attention_computes_in_fp32_under_cpu_bf16_autocast():
+    """Under CPU bf16 autocast the packed attention runs in fp32 (autocast would hand SDPA bf16
+    inputs, whose CPU backward is no faster): with q and k in fp32 and v in bf16, as they arrive
+    from the rotary embedding and v_proj, its output is fp32 and equals the fp32 attention of the
+    same values to fp32 rounding (bf16 inputs would be off by ~1e-2), and each input's gradient
+    comes back in that input's dtype."""
+    layout = PackedLayout(6, ((2, (2, 1)), (0, (4,))))
+    module = types.SimpleNamespace(num_key_value_groups=2)
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 4, 6, 8, requires_grad=True), torch.randn(2, 2, 6, 8, requires_grad=True)
+    v = torch.randn(2, 2, 6, 8).bfloat16().requires_grad_()
+    reference, _ = prefix_grouped_attention(module, q, k, v.float(), None, packed_layout=layout)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = prefix_grouped_attention(module, q, k, v, None, packed_layout=layout)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, reference, atol=1e-6, rtol=1e-6)
+    out.sum().backward()
+    assert (q.grad.dtype, k.grad.dtype, v.grad.dtype) == (torch.float32, torch.float32, torch.bfloat16)
+
+
 def prompt_groups(tokenizer, k=4):
     """Two tasks with K rollouts each: one prompt per task (PROMPT), then per rollout ACT / ENV /
     ACT spans of different lengths, so the packed rows and their continuations differ in length."""

@@ -388,6 +388,19 @@ def prefix_grouped_attention(
     rows, width = packed_layout.rows, packed_layout.width
     if query.shape[0] != len(rows) or query.shape[2] != width or key.shape[2] != width:
         raise ValueError(f"packed_layout is for {len(rows)} rows of {width} tokens, the attention got query {tuple(query.shape)}, key {tuple(key.shape)}")
+    if query.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        # Under CPU bf16 autocast SDPA would take bf16 inputs, and its bf16 backward is no faster
+        # than its fp32 one at the update's shapes, slower for short continuations over a prefix
+        # (`benchmarks/attention_shapes.py --dtype bf16`): in fp32 the demo step's update spent
+        # 0.94-1.04 s in attention against 1.30 (benchmarks/update_profile.py, docs/performance.md).
+        with torch.autocast("cpu", enabled=False):
+            return _prefix_grouped_sdpa(module, query.float(), key.float(), value.float(), dropout, scaling, packed_layout)
+    return _prefix_grouped_sdpa(module, query, key, value, dropout, scaling, packed_layout)
+
+
+def _prefix_grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         dropout: float, scaling: float | None, packed_layout: PackedLayout) -> tuple[torch.Tensor, None]:
+    rows, width = packed_layout.rows, packed_layout.width
     groups = getattr(module, "num_key_value_groups", 1)
     if groups > 1:  # GQA: repeat the key/value heads once per layer (masked sdpa on CPU is no faster with enable_gqa)
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
