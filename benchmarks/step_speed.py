@@ -20,7 +20,7 @@ Sections (each one a function below; figures are for the default model, SmolLM2-
             (bf16 only where the CPU has it natively: emulated, it would take hours), separate
             rows vs shared-prefix packing; forwarded tokens and effective GFLOP/s;
   step      `envace train`'s step with today's settings vs the old ones (transformers' forward,
-            fp32, no packing) and the previous ones (transformers' forward sampling, packed
+            fp32, no packing, each rollout's prompt encoded on its own) and the previous ones (transformers' forward sampling, packed
             update), same seeds, same tasks; precisions and sampler dtypes as auto picks them here;
   greedy    greedy real-mode actions on 10 fixed tasks: each lean engine against transformers'
             forward (identical, or the logprob mismatch reported).
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import time
 from pathlib import Path
@@ -236,13 +237,16 @@ def update(model: Any, tokenizer: Any, limits: dict[str, float], args: argparse.
 
 def step_settings(model: Any) -> dict[str, dict[str, Any]]:
     """The steps compared, named by what auto resolves to on this machine. "lean": False runs the
-    sampler through transformers' forward, as envace did before the lean path."""
+    sampler through transformers' forward, as envace did before the lean path; "share_prompts":
+    False encodes each rollout's prompt in its own session, as envace did before it encoded a
+    prompt once for the K rollouts that start from it (HFGenerator(share_prompts=...))."""
     from envace.training.setup import resolve_precision
 
     update = resolve_precision("auto")
     sampler = "bf16" if decode_settings("auto", model)["dtype"] == torch.bfloat16 else "fp32"
     return {
-        "before (transformers' forward sampling, fp32 update, one row per rollout)": dict(precision="fp32", share_prefix=False, sampler_dtype="f32", lean=False),
+        "before (transformers' forward sampling, fp32 update, one row per rollout)": dict(precision="fp32", share_prefix=False, sampler_dtype="f32", lean=False,
+                                                                                         share_prompts=False),
         f"previous (transformers' forward sampling, {update} update, shared prefix)": dict(precision="auto", share_prefix=True, sampler_dtype="f32", lean=False),
         f"now (lean {sampler} sampler, {update} update, shared prefix: the defaults)": dict(precision="auto", share_prefix=True),
         "now with --sampler-dtype int8": dict(precision="auto", share_prefix=True, sampler_dtype="int8"),
@@ -262,6 +266,8 @@ def step_child(settings: dict[str, Any]) -> None:
     settings = dict(settings)
     if not settings.pop("lean", True):
         hf.lean_support = lambda model: "off for this benchmark row"
+    if not settings.pop("share_prompts", True):
+        hf.HFGenerator.__init__ = functools.partialmethod(hf.HFGenerator.__init__, share_prompts=False)
     for key in ("sampler_dtype", "continuous_batching"):  # rollout settings, given flat as on the command line
         if key in settings:
             settings["rollout"] = dict(settings["rollout"], **{key: settings.pop(key)})
@@ -297,7 +303,8 @@ def step(model: Any, args: argparse.Namespace) -> dict[str, Any]:
         m = json.loads(line.removeprefix("STEP_METRICS "))
         out[name] = {k: m.get(k) for k in ("time/rollout_s", "time/update_s", "reward/mean", "policy/forwarded_tokens",
                                            "policy/forwarded_tokens_unshared", "policy/logprob_mismatch", "peak_rss_gib",
-                                           "sampler/policy-rehearse/rows_per_decode_step", "sampler/policy-rehearse/generated_tokens")}
+                                           "sampler/policy-rehearse/rows_per_decode_step", "sampler/policy-rehearse/generated_tokens",
+                                           "sampler/policy-rehearse/prefill_tokens")}
         out[name]["step_s"] = m["time/rollout_s"] + m["time/update_s"]
         print(f"step {name}: {out[name]['step_s']:.1f} s (rollout {m['time/rollout_s']:.1f}, update {m['time/update_s']:.1f}), peak RSS {m['peak_rss_gib']:.1f} GiB", flush=True)
     return out
@@ -377,16 +384,18 @@ def table(r: dict[str, Any]) -> str:
         lines.append("")
     if "step" in r:
         lines += ["GRPO step of the demo's settings (2 tasks x K=4, same seeds), each in its own process:", "",
-                  "| settings | step s | rollout s | update s | generated tokens | rows per decode step | forwarded tokens (unshared) | logprob mismatch | peak RSS GiB |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| settings | step s | rollout s | update s | generated tokens | prefilled tokens | rows per decode step | forwarded tokens (unshared) | logprob mismatch | peak RSS GiB |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for name, v in r["step"].items():
             mismatch = "" if v.get("policy/logprob_mismatch") is None else f"{v['policy/logprob_mismatch']:.4f}"
             if v.get("policy/forwarded_tokens") is None:
                 raise RuntimeError(f"the step '{name}' skipped its update: nothing was timed")
             rows = v.get("sampler/policy-rehearse/rows_per_decode_step")  # not in results from before 2026-12-07
             generated = v.get("sampler/policy-rehearse/generated_tokens")
+            prefilled = v.get("sampler/policy-rehearse/prefill_tokens")  # not in older results
             lines.append(f"| {name} | {v['step_s']:.1f} | {v['time/rollout_s']:.1f} | {v['time/update_s']:.1f} | "
-                         f"{'' if generated is None else f'{generated:.0f}'} | {'' if rows is None else f'{rows:.1f}'} | "
+                         f"{'' if generated is None else f'{generated:.0f}'} | {'' if prefilled is None else f'{prefilled:.0f}'} | "
+                         f"{'' if rows is None else f'{rows:.1f}'} | "
                          f"{v['policy/forwarded_tokens']:.0f} ({v['policy/forwarded_tokens_unshared']:.0f}) | {mismatch} | {v['peak_rss_gib']:.1f} |")
         lines.append("")
     if "greedy" in r:
