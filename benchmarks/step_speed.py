@@ -383,9 +383,14 @@ def table(r: dict[str, Any]) -> str:
                 lines.append(f"| {name} | {v['seconds']:.1f} | {v['forwarded_tokens']} | {v['gflops']:.0f} | {v['of_peak']:.0%} |")
         lines.append("")
     if "step" in r:
-        lines += ["GRPO step of the demo's settings (2 tasks x K=4, same seeds), each in its own process:", "",
-                  "| settings | step s | rollout s | update s | generated tokens | prefilled tokens | rows per decode step | forwarded tokens (unshared) | logprob mismatch | peak RSS GiB |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["GRPO step of the demo's settings (2 tasks x K=4, same seeds), each in its own process. Samplers of other "
+                  "numerics draw other tokens from the same seeds, so the steps do different amounts of work; \"at the first "
+                  "row's work\" scales each step's rollout seconds by the first row's generated tokens over its own and its update "
+                  "seconds by the first row's unshared forwarded tokens over its own (an estimate: linear in each):", "",
+                  "| settings | step s | speed-up | at the first row's work | rollout s | update s | generated tokens | prefilled tokens | "
+                  "rows per decode step | forwarded tokens (unshared) | logprob mismatch | peak RSS GiB |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        first = next(iter(r["step"].values()))
         for name, v in r["step"].items():
             mismatch = "" if v.get("policy/logprob_mismatch") is None else f"{v['policy/logprob_mismatch']:.4f}"
             if v.get("policy/forwarded_tokens") is None:
@@ -393,7 +398,13 @@ def table(r: dict[str, Any]) -> str:
             rows = v.get("sampler/policy-rehearse/rows_per_decode_step")  # not in results from before 2026-12-07
             generated = v.get("sampler/policy-rehearse/generated_tokens")
             prefilled = v.get("sampler/policy-rehearse/prefill_tokens")  # not in older results
-            lines.append(f"| {name} | {v['step_s']:.1f} | {v['time/rollout_s']:.1f} | {v['time/update_s']:.1f} | "
+            equal_work = ""
+            if generated and first.get("sampler/policy-rehearse/generated_tokens"):
+                scaled = (v["time/rollout_s"] * first["sampler/policy-rehearse/generated_tokens"] / generated
+                          + v["time/update_s"] * first["policy/forwarded_tokens_unshared"] / v["policy/forwarded_tokens_unshared"])
+                equal_work = f"{first['step_s'] / scaled:.2f}x"
+            lines.append(f"| {name} | {v['step_s']:.1f} | {first['step_s'] / v['step_s']:.2f}x | {equal_work} | "
+                         f"{v['time/rollout_s']:.1f} | {v['time/update_s']:.1f} | "
                          f"{'' if generated is None else f'{generated:.0f}'} | {'' if prefilled is None else f'{prefilled:.0f}'} | "
                          f"{'' if rows is None else f'{rows:.1f}'} | "
                          f"{v['policy/forwarded_tokens']:.0f} ({v['policy/forwarded_tokens_unshared']:.0f}) | {mismatch} | {v['peak_rss_gib']:.1f} |")
