@@ -69,8 +69,9 @@ class DemoConfig:
                                               "carry a signal (8 x 4 for 6 steps from the 24-per-world warm start: +9/-0 of 120 test tasks with it, "
                                               "+3/-0 without; benchmarks/grpo_sweep.py, docs/training.md)")
     rl_continuous_batching: bool = field(False, help="GRPO rollouts with continuous batching (`envace train --continuous-batching`). Off: "
-                                                     "on this AVX2 EPYC it took the stage 482 -> 478 s, and its other draws gave GRPO minus SFT "
-                                                     "-0.025 [-0.075, +0.000] where the round schedule's gave +0.150 (docs/training.md)")
+                                                     "on an AVX2 EPYC it took the stage 482 -> 478 s, and its other draws gave GRPO minus SFT "
+                                                     "-0.025 [-0.075, +0.000] where the round schedule's gave +0.150; on an AMX Xeon, four seeds "
+                                                     "pooled +0.025 [+0.000, +0.056] against the round schedule's +0.006 (docs/training.md)")
     rl_unseen_tasks: bool = field(True, help="GRPO on training tasks the warm start was not trained on (off: the first ones, the SFT's own among them)")
     rl_reward: str = field("partial", help="GRPO reward: partial (the verifier's partial credit: signal before a task is solved), replay (0/1), "
                                            "or reference (call F1 against the reference calls: no world runs)")
