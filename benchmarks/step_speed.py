@@ -20,8 +20,10 @@ Sections (each one a function below; figures are for the default model, SmolLM2-
             (bf16 only where the CPU has it natively: emulated, it would take hours), separate
             rows vs shared-prefix packing; forwarded tokens and effective GFLOP/s;
   step      `envace train`'s step with today's settings vs the old ones (transformers' forward,
-            fp32, no packing, each rollout's prompt encoded on its own) and the previous ones (transformers' forward sampling, packed
-            update), same seeds, same tasks; precisions and sampler dtypes as auto picks them here;
+            fp32, no packing, each rollout's prompt encoded on its own) and the previous ones
+            (transformers' forward sampling, packed update), same seeds, same tasks; precisions
+            and sampler dtypes as auto picks them here; speed-ups plain and scaled to the old
+            step's work (other samplers draw other tokens);
   greedy    greedy real-mode actions on 10 fixed tasks: each lean engine against transformers'
             forward (identical, or the logprob mismatch reported).
 Writes benchmarks/results/step_speed.json and prints the Markdown table of docs/performance.md.

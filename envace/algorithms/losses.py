@@ -391,8 +391,8 @@ def prefix_grouped_attention(
     if query.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
         # Under CPU bf16 autocast SDPA would take bf16 inputs, and its bf16 backward is no faster
         # than its fp32 one at the update's shapes, slower for short continuations over a prefix
-        # (`benchmarks/attention_shapes.py --dtype bf16`): in fp32 the demo step's update spent
-        # 0.94-1.04 s in attention against 1.30 (benchmarks/update_profile.py, docs/performance.md).
+        # (`benchmarks/attention_shapes.py --dtype bf16`): in fp32 the demo step's profiled update
+        # spent 1.00-1.14 s in attention against 1.23-1.40 (update_profile.py, docs/performance.md).
         with torch.autocast("cpu", enabled=False):
             return _prefix_grouped_sdpa(module, query.float(), key.float(), value.float(), dropout, scaling, packed_layout)
     return _prefix_grouped_sdpa(module, query, key, value, dropout, scaling, packed_layout)
