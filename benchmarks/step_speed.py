@@ -12,9 +12,9 @@ Sections (each one a function below; figures are for the default model, SmolLM2-
   decode    batch-1, 8 and 32 decode tok/s after a real tool prompt: envace's HF backend through
             transformers' forward (the reference), through the lean path in fp32 and in bf16
             (envace/backends/lean.py; the row marked "default here" is --sampler-dtype auto on this
-            machine) and with int8 weight copies for small batches (--sampler-dtype int8, over bf16
-            or fp32 as this CPU gets it), and llama.cpp on the model's own Q4_1 GGUF (what a user
-            would otherwise run);
+            machine) and with int8 or int4 weight copies for small batches (--sampler-dtype int8 /
+            int4, over bf16 or fp32 as this CPU gets it), and llama.cpp on the model's own Q4_1
+            GGUF (what a user would otherwise run);
   prefill   tokens/s encoding 8 different prompts, transformers' forward and the default lean path;
   update    forward+backward of the PPO loss on K=4 rollouts of 2 tasks: fp32 vs bf16 autocast
             (bf16 only where the CPU has it natively: emulated, it would take hours), separate
@@ -114,13 +114,14 @@ def hf_engines(model: Any) -> dict[str, dict[str, Any]]:
     """The HF backend's engines (HFGenerator keywords), the reference first; " (default here)"
     marks what --sampler-dtype auto runs on this machine."""
     auto = decode_settings("auto", model)
-    int8 = decode_settings("int8", model)
     engines = {
         REFERENCE: dict(lean=False),
-        "envace HF, lean path, fp32": dict(dtype=None, int8=False),
-        "envace HF, lean path, bf16": dict(dtype=torch.bfloat16, int8=False),
-        f"envace HF, lean path, int8 weights for <= 8 rows over {'bf16' if int8['dtype'] == torch.bfloat16 else 'fp32'}": int8,
+        "envace HF, lean path, fp32": dict(dtype=None, quant=None),
+        "envace HF, lean path, bf16": dict(dtype=torch.bfloat16, quant=None),
     }
+    for quant, rows in lean.QUANT_MAX_ROWS.items():
+        kw = decode_settings(quant, model)
+        engines[f"envace HF, lean path, {quant} weights for <= {rows} rows over {'bf16' if kw['dtype'] == torch.bfloat16 else 'fp32'}"] = kw
     return {name + (" (default here)" if kw == auto else ""): kw for name, kw in engines.items()}
 
 
@@ -155,7 +156,7 @@ def decode(model: Any, tokenizer: Any, args: argparse.Namespace) -> dict[str, An
 def linear_only(model: Any, tokenizer: Any) -> HFGenerator:
     """The lean fp32 path as on a CPU where `lean.transposed_gemm_is_faster` is False: its packed
     copy, built here with the rule off, keeps F.linear for every matmul."""
-    generator = HFGenerator(model, tokenizer, dtype=None, int8=False)
+    generator = HFGenerator(model, tokenizer, dtype=None, quant=None)
     rule = lean.transposed_gemm_is_faster
     lean.transposed_gemm_is_faster = lambda: False
     try:
@@ -254,6 +255,8 @@ def step_settings(model: Any) -> dict[str, dict[str, Any]]:
         "now with --sampler-dtype int8": dict(precision="auto", share_prefix=True, sampler_dtype="int8"),
         "now with --continuous-batching": dict(precision="auto", share_prefix=True, continuous_batching=True),
         "now with --continuous-batching --sampler-dtype int8": dict(precision="auto", share_prefix=True, continuous_batching=True, sampler_dtype="int8"),
+        "now with --sampler-dtype int4": dict(precision="auto", share_prefix=True, sampler_dtype="int4"),
+        "now with --continuous-batching --sampler-dtype int4": dict(precision="auto", share_prefix=True, continuous_batching=True, sampler_dtype="int4"),
     }
 
 
@@ -328,13 +331,13 @@ def same_greedy_actions(model: Any, tokenizer: Any) -> dict[str, Any]:
     from envace.types import Role
 
     tasks = builtin_tasks("test", 2, difficulty=1)
-    # 4 rollouts in flight: every batch has <= lean.INT8_MAX_ROWS rows, so the int8 engine's copies
+    # 4 rollouts in flight: every batch has <= lean.QUANT_MAX_ROWS rows, so the int8/int4 engines' copies
     # run (with all 10 at once, a base model's one long turn each never went below 9 rows).
     config = RolloutConfig(mode="real", temperature=0.0, max_turns=6, max_turn_tokens=96, max_active=4)
     acts, logprobs, out = {}, {}, {"tasks": len(tasks), "seconds": {}, "identical": {}, "logprob_mismatch": {}}
     engines = {name: (kw, config) for name, kw in hf_engines(model).items()}
     # The same fp32 numerics, rows paused and refilled: only the schedule differs.
-    engines["envace HF, lean path, fp32, --continuous-batching"] = (dict(dtype=None, int8=False), dataclasses.replace(config, continuous_batching=True))
+    engines["envace HF, lean path, fp32, --continuous-batching"] = (dict(dtype=None, quant=None), dataclasses.replace(config, continuous_batching=True))
     for name, (kw, cfg) in engines.items():
         start = time.perf_counter()
         groups = RolloutEngine(HFGenerator(model, tokenizer, **kw), WorldEnvironment(), cfg).run(tasks, k=1)

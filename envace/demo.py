@@ -23,7 +23,7 @@ from envace.config import ConfigError, build, field, to_dict
 from envace.evaluation.report import markdown_table, pooled_success
 
 BASE, SFT, TRAINED = "base", "SFT", "SFT + rehearsal GRPO"
-EVAL_SAMPLER_DTYPES = ("auto", "f32", "bf16")  # a greedy evaluation's numerics (int8 is a speed setting, f16/q8_0 llama.cpp's)
+EVAL_SAMPLER_DTYPES = ("auto", "f32", "bf16")  # a greedy evaluation's numerics (int8 and int4 are speed settings, f16/q8_0 llama.cpp's)
 # How each rollout mode's GRPO stage reads in the report (rl_variant's mode: who answers the tools).
 MODE_TEXT = {"rehearse": "in rehearse mode", "real": "against the real worlds", "simulator": "answered by a frozen simulator model"}
 

@@ -7,7 +7,7 @@ import torch
 
 from envace.backends import HFGenerator, SamplingParams, tiny_model
 from envace.backends import lean
-from envace.backends.lean import INT8_MAX_ROWS, LeanWeights, decode_settings, lean_support
+from envace.backends.lean import QUANT_MAX_ROWS, LeanWeights, decode_settings, lean_support
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
 
@@ -154,20 +154,22 @@ def test_models_outside_the_lean_layout_run_transformers_forward(tokenizer, prom
     with pytest.raises(ValueError, match="needs the lean decode path.*activation.*model's own dtype"):
         HFGenerator(model, tokenizer, dtype=torch.bfloat16)
     monkeypatch.setattr("envace.backends.models.native_bf16", lambda: True)
-    assert decode_settings("auto", model) == {"dtype": None, "int8": False}  # auto never asks for what cannot run
+    assert decode_settings("auto", model) == {"dtype": None, "quant": None}  # auto never asks for what cannot run
 
 
 def test_sampler_dtype_settings(tokenizer, monkeypatch):
     model = tiny_model(tokenizer)
     monkeypatch.setattr("envace.backends.models.native_bf16", lambda: True)
-    assert decode_settings("auto", model) == {"dtype": torch.bfloat16, "int8": False}
-    assert decode_settings("int8", model) == {"dtype": torch.bfloat16, "int8": True}
+    assert decode_settings("auto", model) == {"dtype": torch.bfloat16, "quant": None}
+    assert decode_settings("int8", model) == {"dtype": torch.bfloat16, "quant": "int8"}
+    assert decode_settings("int4", model) == {"dtype": torch.bfloat16, "quant": "int4"}
     monkeypatch.setattr("envace.backends.models.native_bf16", lambda: False)
-    assert decode_settings("auto", model) == {"dtype": None, "int8": False}  # emulated bf16 is slower than fp32
-    assert decode_settings("f32", model) == {"dtype": None, "int8": False}
-    assert decode_settings("bf16", model) == {"dtype": torch.bfloat16, "int8": False}
-    assert decode_settings("int8", model) == {"dtype": None, "int8": True}  # int8 over the model's own fp32 there
-    with pytest.raises(ValueError, match="f32, bf16 or int8.*llama.cpp"):
+    assert decode_settings("auto", model) == {"dtype": None, "quant": None}  # emulated bf16 is slower than fp32
+    assert decode_settings("f32", model) == {"dtype": None, "quant": None}
+    assert decode_settings("bf16", model) == {"dtype": torch.bfloat16, "quant": None}
+    assert decode_settings("int8", model) == {"dtype": None, "quant": "int8"}  # over the model's own fp32 there
+    assert decode_settings("int4", model) == {"dtype": None, "quant": "int4"}
+    with pytest.raises(ValueError, match="f32, bf16, int8 or int4.*llama.cpp"):
         decode_settings("q8_0", model)
 
 
@@ -181,36 +183,88 @@ def test_a_transposed_few_row_matmul_equals_f_linear():
         torch.testing.assert_close(proj(x), torch.nn.functional.linear(x, proj.weight, proj.bias), rtol=1e-5, atol=1e-5)
 
 
+def test_a_one_row_bf16_product_runs_as_mv_and_equals_f_linear(monkeypatch):
+    """One row: torch.mv (faster on CPU for bf16 weights); more rows: F.linear. The same product
+    to bf16 rounding (the sums run in another order), bias included."""
+    torch.manual_seed(0)
+    proj = lean._Proj(torch.randn(48, 32).bfloat16(), torch.randn(48).bfloat16(), one_row_mv=True)
+    calls = []
+    real = torch.mv
+    monkeypatch.setattr(torch, "mv", lambda w, x: calls.append(x.shape) or real(w, x))
+    for shape in [(1, 1, 32), (1, 32), (2, 1, 32), (1, 3, 32)]:
+        x = torch.randn(*shape).bfloat16()
+        torch.testing.assert_close(proj(x), torch.nn.functional.linear(x, proj.weight, proj.bias), rtol=1.6e-2, atol=2e-2)
+    assert calls == [torch.Size([32]), torch.Size([32])]  # the two one-row inputs only
+
+
+def test_bf16_lean_copies_take_the_one_row_mv_path_and_fp32_ones_do_not(tokenizer):
+    model = tiny_model(tokenizer)
+    assert LeanWeights(model, torch.bfloat16).current().layers[0].gate_up.one_row_mv
+    assert not LeanWeights(model, torch.float32).current().layers[0].gate_up.one_row_mv
+
+
 def test_int8_weights_by_hand():
     """Per output channel: scale = max |w| / 127, w ~= round(w / scale) * scale."""
     weight = torch.tensor([[0.5, -1.0, 0.25], [2.0, 1.0, -0.5]])
-    q, scales = lean._quantized(weight)
+    q, scales = lean.int8_codes(weight)
     torch.testing.assert_close(scales, torch.tensor([1.0 / 127, 2.0 / 127], dtype=torch.bfloat16))  # the kernel's activation dtype
     assert q.tolist() == [[64, -127, 32], [127, 64, -32]]  # 63.5 -> 64, 31.75 -> 32 (round half to even only at .5 exactly)
 
 
+def test_int4_codes_by_hand():
+    """Per group of inputs: scale = (max - min) / 15, code = round((w - min) / scale), and zero =
+    min + 8 * scale, so that (code - 8) * scale + zero gives back w to within scale / 2."""
+    weight = torch.tensor([[-1.0, 0.5, 0.0, 3.0], [0.0, 0.0, 1.5, 0.0]])
+    codes, scales, zeros = lean.int4_codes(weight, group=2)
+    torch.testing.assert_close(scales, torch.tensor([[0.1, 0.2], [0.0, 0.1]]).clamp(min=1e-12))
+    assert codes.tolist() == [[0, 15, 0, 15], [0, 0, 15, 0]]  # a constant group has all codes 0
+    torch.testing.assert_close(zeros, torch.tensor([[-0.2, 1.6], [0.0, 0.8]]))
+    torch.testing.assert_close((codes.view(2, 2, 2) - 8) * scales[..., None] + zeros[..., None], weight.view(2, 2, 2))
+    codes, scales, _ = lean.int4_codes(torch.tensor([[0.0, 0.3, 1.5]]), group=3)  # 0.3 / 0.1 = 3; 1.5 = 15 steps
+    assert codes.tolist() == [[0, 3, 15]]
+
+
+def test_the_int4_kernel_multiplies_by_the_dequantised_weights():
+    """torch's packed int4 product equals x @ W_dq^T with W_dq rebuilt from `int4_codes` by hand
+    (bf16 activations, scales and zeros; the kernel's rounding only); shapes it cannot take get no copy."""
+    torch.manual_seed(0)
+    weight = torch.randn(32, 64)
+    packed = lean._Int4.of(weight)
+    codes, scales, zeros = lean.int4_codes(weight, lean.INT4_GROUP)
+    groups = codes.view(32, 2, lean.INT4_GROUP).float()
+    dequantised = ((groups - 8) * scales.bfloat16().float()[..., None] + zeros.bfloat16().float()[..., None]).view(32, 64)
+    assert (dequantised - weight).abs().max() <= scales.max() / 2 + 0.02  # the quantisation error bound
+    x = torch.randn(3, 64).bfloat16()
+    torch.testing.assert_close(packed(x).float(), x.float() @ dequantised.T, rtol=2e-2, atol=5e-2)
+    assert lean._Int4.of(torch.randn(40, 64)) is None and lean._Int4.of(torch.randn(32, 48)) is None
+
+
+@pytest.mark.parametrize("quant,kernel", [("int8", "torch._weight_int8pack_mm"), ("int4", "torch.ops.aten._weight_int4pack_mm_for_cpu")])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_int8_decode_uses_the_int8_copies_for_small_batches_only(tokenizer, prompts, monkeypatch, dtype):
-    """Matmuls over <= INT8_MAX_ROWS rows (decode steps, the LM head of a few rows) run the int8
-    kernel with bf16 activations (its fast path), a prompt's prefill the `dtype` weights; logprobs
-    stay near the `dtype` path's. fp32 is the int8 setting's base on CPUs that emulate bf16."""
+def test_quantized_decode_uses_the_copies_for_small_batches_only(tokenizer, prompts, monkeypatch, dtype, quant, kernel):
+    """Matmuls over <= QUANT_MAX_ROWS rows (decode steps, the LM head of a few rows) run the int8 or
+    int4 kernel with bf16 activations (their fast path), a prompt's prefill the `dtype` weights;
+    logprobs stay near the `dtype` path's. fp32 is the quantized settings' base on CPUs that emulate bf16."""
     model = tiny_model(tokenizer, seed=4)
     calls = []
-    real = torch._weight_int8pack_mm
-    monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda x, w, s: calls.append((x.shape[0], x.dtype)) or real(x, w, s))
-    gen = HFGenerator(model, tokenizer, dtype=dtype, int8=True)
+    owner, name = kernel.rsplit(".", 1)
+    owner = {"torch": torch, "torch.ops.aten": torch.ops.aten}[owner]
+    real = getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda x, *rest: calls.append((x.shape[0], x.dtype)) or real(x, *rest))
+    gen = HFGenerator(model, tokenizer, dtype=dtype, quant=quant)
     ids = gen.open(2)
     long_prompts = [prompts[2] * 2, prompts[0] * 2]
     outs = gen.generate(ids, long_prompts, SamplingParams(max_new_tokens=6, temperature=0.0))
-    assert calls and max(rows for rows, _ in calls) <= INT8_MAX_ROWS  # the 2-row decode steps went through int8 ...
+    assert calls and max(rows for rows, _ in calls) <= QUANT_MAX_ROWS[quant]  # the 2-row decode steps went through it ...
     assert {x_dtype for _, x_dtype in calls} == {torch.bfloat16}
-    assert sum(map(len, long_prompts)) > INT8_MAX_ROWS  # ... and the prefill (more rows) did not
+    assert sum(map(len, long_prompts)) > QUANT_MAX_ROWS[quant]  # ... and the prefill (more rows) did not
     plain = HFGenerator(model, tokenizer, dtype=dtype)
     ref = plain.generate(plain.open(2), long_prompts, SamplingParams(max_new_tokens=1, temperature=0.0))
-    # The first token: `dtype` prefill, then the 2-row LM head in int8; close to the plain path's.
-    assert all(abs(o.logprobs[0] - r.logprobs[0]) < 0.05 for o, r in zip(outs, ref))
+    # The first token: `dtype` prefill, then the 2-row LM head quantized; close to the plain path's.
+    bound = {"int8": 0.05, "int4": 0.5}[quant]
+    assert all(abs(o.logprobs[0] - r.logprobs[0]) < bound for o, r in zip(outs, ref))
     with pytest.raises(ValueError, match="lean decode path"):
-        HFGenerator(tiny_model(tokenizer, hidden_act="gelu"), tokenizer, dtype=torch.bfloat16, int8=True)
+        HFGenerator(tiny_model(tokenizer, hidden_act="gelu"), tokenizer, dtype=torch.bfloat16, quant=quant)
 
 
 @pytest.mark.slow
@@ -239,11 +293,12 @@ def test_lean_path_on_the_default_model_matches_transformers():
     assert sum(gaps) / len(gaps) < 0.05 and max(gaps) < 0.4
 
 
-def test_int8_on_a_gpu_machine_fails_at_validation(monkeypatch):
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_quantized_sampling_on_a_gpu_machine_fails_at_validation(monkeypatch, quant):
     from envace.config import ConfigError
     from envace.rollout import RolloutConfig
 
-    RolloutConfig(sampler_dtype="int8").validate()  # this CPU machine: fine
+    RolloutConfig(sampler_dtype=quant).validate()  # this CPU machine: fine
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with pytest.raises(ConfigError, match="int8 runs torch's CPU int8 kernel.*use bf16"):
-        RolloutConfig(sampler_dtype="int8").validate()
+    with pytest.raises(ConfigError, match=f"{quant} runs torch's CPU {quant} kernel.*use bf16"):
+        RolloutConfig(sampler_dtype=quant).validate()

@@ -605,6 +605,8 @@ def test_on_malformed_reaches_the_rollout_config(task_file):
     ({"rehearse_sft_coef": 0.1, "variant": "no-share", "rehearse_layout": "isolated"}, "--variant envace"),  # the policy does not rehearse
     ({"rehearse_sft_coef": 0.1, "rehearse_layout": "isolated"}, "--rehearse-layout transcript"),
     ({"continuous_batching": True, "sampler": "llamacpp"}, "--continuous-batching"),  # pauses rows inside the HF sampler only
+    ({"sampler": "llamacpp", "sampler_dtype": "int4"}, "--sampler-dtype int4 is the HF sampler's"),  # torch's kernel
+    ({"sampler_dtype": "q8_0"}, "--sampler-dtype q8_0 is llama.cpp's"),
 ])
 def test_train_config_rejects_each_bad_option_by_name(values, option):
     with pytest.raises(ConfigError, match=re.escape(option)):

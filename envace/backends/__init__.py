@@ -29,7 +29,7 @@ def make_generator(spec: str, tokenizer: Any = None, **kw: Any) -> Generator:
     """A generator for a model spec (local: HFGenerator) or an http(s):// base URL (OpenAIGenerator).
 
     Local keywords: device, dtype (for load_model), sampler_dtype (the sampler's, `lean.decode_settings`:
-    auto | f32 | bf16 | int8), seed, max_batch; `tokenizer` replaces the
+    auto | f32 | bf16 | int8 | int4), seed, max_batch; `tokenizer` replaces the
     model's own. URL keywords: model (served name; default: the server's only model), api_key,
     timeout, max_concurrency; `tokenizer` is required (the served model's tokenizer, e.g.
     `load_tokenizer("default")`). The URL is checked with `check_reachable` before returning.

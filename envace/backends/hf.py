@@ -240,10 +240,11 @@ class HFGenerator:
     """`Generator` over a local transformers causal LM (see the module docstring for the design)."""
 
     def __init__(self, model: Any, tokenizer: Any, seed: int = 0, max_batch: int | None = None, share_prompts: bool = True,
-                 dtype: torch.dtype | None = None, int8: bool = False, lean: bool = True):
+                 dtype: torch.dtype | None = None, quant: str | None = None, lean: bool = True):
         """`dtype`: the sampler's weights and KV cache (None = the model's own, exact); another
-        dtype needs the lean path, and so does `int8` (int8 weight copies for small decode
-        batches, `lean.INT8_MAX_ROWS`). `lean=False` always runs transformers' forward (the reference)."""
+        dtype needs the lean path, and so does `quant` ("int8" or "int4": weight-only quantized
+        copies for small decode batches, `lean.QUANT_MAX_ROWS`). `lean=False` always runs
+        transformers' forward (the reference)."""
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be >= 1 or None, got {max_batch}")
         self.model = model
@@ -259,10 +260,10 @@ class HFGenerator:
         self._next_id = 0
         self._check_full_attention()
         unsupported = lean_support(model) if lean else "lean=False"
-        if unsupported and (dtype not in (None, model.dtype) or int8):
-            raise ValueError(f"sampling in {'int8' if int8 else dtype} needs the lean decode path, which does not cover this model ({unsupported}): "
+        if unsupported and (dtype not in (None, model.dtype) or quant):
+            raise ValueError(f"sampling in {quant or dtype} needs the lean decode path, which does not cover this model ({unsupported}): "
                              f"sample in the model's own dtype ({model.dtype})")
-        self.lean = None if unsupported else LeanWeights(model, dtype or model.dtype, int8=int8)
+        self.lean = None if unsupported else LeanWeights(model, dtype or model.dtype, quant=quant)
         self.dtype = dtype or model.dtype
 
     def _check_full_attention(self) -> None:

@@ -21,8 +21,9 @@ Numerics
     (W @ x^T)^T (`transposed_gemm_is_faster`: the same product, summed in another order). In bf16 the sampler's distribution is
     the bf16 model's: the logprobs it returns are that distribution's, and a trainer must treat them
     as another policy's (truncated importance weights on the update's own logprobs; `envace.training.trainer`).
-    With int8 copies (`--sampler-dtype int8`), matmuls of at most INT8_MAX_ROWS rows use the
-    int8 weights (and bf16 activations): each token's logprob is that of the weights that drew it.
+    With weight-only quantized copies (`--sampler-dtype int8` or `int4`), matmuls of at most
+    `QUANT_MAX_ROWS` rows use the quantized weights (and bf16 activations): each token's logprob is
+    that of the weights that drew it.
 
 Weight refresh
     The packed copies are rebuilt whenever any parameter of the live module changed: every in-place
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -47,11 +48,14 @@ LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, kv_heads, seq, head_dim]
 
 
-# Decode steps of at most this many rows multiply by int8 weight copies (`--sampler-dtype int8`):
-# measured on the development CPU, torch's int8 weight-only kernel reads a quarter of fp32's bytes
-# and beats the bf16 GEMM up to ~8 rows, then loses to it; on an AVX2 CPU it beats fp32 dense up
-# to 4-8 rows, the LM head's up to 12 (docs/performance.md, benchmarks/int8_kernels.py).
-INT8_MAX_ROWS = 8
+# Decode steps of at most this many rows multiply by weight-only quantized copies
+# (`--sampler-dtype int8 | int4`). Measured (docs/performance.md, benchmarks/int8_kernels.py):
+# torch's int8 kernel reads a quarter of fp32's bytes and beat the bf16 GEMM up to 4-8 rows on
+# AVX-512 Xeons, fp32 dense up to 4-8 rows on an AVX2 EPYC (the LM head up to 12); its int4 kernel
+# (groups of INT4_GROUP inputs, a scale and a zero each) reads an eighth and beat the bf16 GEMM
+# up to 8 rows on an AMX Xeon (at 1 row 5.2 ms per token of weights against int8's 8.3, bf16's 13-19).
+QUANT_MAX_ROWS = {"int8": 8, "int4": 8}
+INT4_GROUP = 32
 
 
 # fp32 matmuls of at most this many rows run as (W @ x^T)^T where `transposed_gemm_is_faster` says
@@ -76,20 +80,22 @@ def transposed_gemm_is_faster() -> bool:
 
 def decode_settings(setting: str, model: Any) -> dict[str, Any]:
     """`HFGenerator`'s numerics keywords for a `--sampler-dtype` setting: dtype (None = the
-    model's own) and int8. auto picks bf16 where it is fast and close enough to train from: native
-    bf16 matmuls (`native_bf16`) and the lean path (transformers' forward would need a bf16 model).
-    int8 (CPU, lean path) adds int8 weight copies for small decode batches (multiplied with bf16
-    activations), on top of bf16 where the CPU multiplies bf16 natively and of the model's own fp32
-    elsewhere: an emulated bf16 GEMM of a prefill or a large batch is 30-80x slower than fp32,
-    while the int8 kernel runs bf16 activations fast on such CPUs too (docs/performance.md)."""
+    model's own) and quant (None, "int8" or "int4"). auto picks bf16 where it is fast and close
+    enough to train from: native bf16 matmuls (`native_bf16`) and the lean path (transformers'
+    forward would need a bf16 model). int8 and int4 (CPU, lean path) add weight-only quantized
+    copies for small decode batches (multiplied with bf16 activations), on top of bf16 where the
+    CPU multiplies bf16 natively and of the model's own fp32 elsewhere: an emulated bf16 GEMM of a
+    prefill or a large batch is 30-80x slower than fp32, while the int8 kernel runs bf16
+    activations fast on such CPUs too (docs/performance.md)."""
     from envace.backends.models import native_bf16
 
     if setting == "auto":
-        return {"dtype": torch.bfloat16 if native_bf16() and lean_support(model) is None else None, "int8": False}
-    if setting not in ("f32", "bf16", "int8"):
-        raise ValueError(f"a local (transformers) sampler decodes in f32, bf16 or int8, not {setting!r} (f16 and q8_0 are llama.cpp's)")
-    dtype = torch.float32 if setting == "f32" or (setting == "int8" and not native_bf16()) else torch.bfloat16
-    return {"dtype": None if dtype == model.dtype else dtype, "int8": setting == "int8"}
+        return {"dtype": torch.bfloat16 if native_bf16() and lean_support(model) is None else None, "quant": None}
+    if setting not in ("f32", "bf16", *QUANT_MAX_ROWS):
+        raise ValueError(f"a local (transformers) sampler decodes in f32, bf16, int8 or int4, not {setting!r} (f16 and q8_0 are llama.cpp's)")
+    quant = setting if setting in QUANT_MAX_ROWS else None
+    dtype = torch.float32 if setting == "f32" or (quant and not native_bf16()) else torch.bfloat16
+    return {"dtype": None if dtype == model.dtype else dtype, "quant": quant}
 
 
 def _base(model: Any) -> Any:
@@ -109,35 +115,89 @@ def lean_support(model: Any) -> str | None:
 
 
 @dataclass
+class _Int8:
+    """Symmetric int8 per output channel (`int8_codes`), for torch's CPU int8 weight-only kernel."""
+
+    codes: torch.Tensor  # [out, in] int8
+    scales: torch.Tensor  # [out], bf16: the activations' dtype the kernel's fast path takes
+    kind: ClassVar[str] = "int8"
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> "_Int8":
+        return cls(*int8_codes(weight))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x, self.codes, self.scales)
+
+
+@dataclass
+class _Int4:
+    """Asymmetric int4 per group of INT4_GROUP inputs (`int4_codes`), packed for torch's CPU int4
+    weight-only kernel (the layout torchao's int4 weight-only CPU path uses)."""
+
+    packed: torch.Tensor  # torch's CPU int4 pack of the codes
+    scales_zeros: torch.Tensor  # [in / group, out, 2] bf16: (scale, zero) per group and output
+    kind: ClassVar[str] = "int4"
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> "_Int4 | None":
+        """None where the kernel cannot take the shape (outputs a multiple of 16, inputs of the group)."""
+        out, inputs = weight.shape
+        if out % 16 or inputs % INT4_GROUP:
+            return None
+        codes, scales, zeros = int4_codes(weight, INT4_GROUP)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        return cls(packed, torch.stack([scales, zeros], -1).transpose(0, 1).contiguous().to(torch.bfloat16))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_zeros)
+
+
+@dataclass
 class _Proj:
-    """A projection's weight [out, in] (and bias) in the decode dtype, with an int8 copy (per output
-    channel scales) that small decode batches multiply by instead when it exists."""
+    """A projection's weight [out, in] (and bias) in the decode dtype, with a weight-only quantized
+    copy (`_Int8`, `_Int4`) that decode steps of at most `QUANT_MAX_ROWS[kind]` rows multiply by instead."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None = None
-    int8: torch.Tensor | None = None
-    scales: torch.Tensor | None = None
+    quantized: _Int8 | _Int4 | None = None
     transposed_rows: int = 0  # fp32 matmuls of at most this many rows run as (W @ x^T)^T (`transposed_gemm_is_faster`)
+    one_row_mv: bool = False  # a one-row bf16 CPU product runs as torch.mv (`LeanWeights._build`)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if self.int8 is None or rows > INT8_MAX_ROWS:
-            if rows > self.transposed_rows:
-                return F.linear(x, self.weight, self.bias)
-            y = (self.weight @ x.reshape(rows, x.shape[-1]).T).T.reshape(*x.shape[:-1], -1)
-            return y if self.bias is None else y + self.bias
-        # The kernel's fast path takes bf16 activations (scales' dtype), also on CPUs without native
-        # bf16; with fp32 activations it was measured 10-40x slower than fp32 dense (AVX2 EPYC).
-        y = torch._weight_int8pack_mm(x.reshape(rows, x.shape[-1]).to(self.scales.dtype), self.int8, self.scales)
-        y = y.view(*x.shape[:-1], -1).to(x.dtype)
+        flat = x.reshape(rows, x.shape[-1])
+        if self.quantized is not None and rows <= QUANT_MAX_ROWS[self.quantized.kind]:
+            # The kernels' fast path takes bf16 activations, also on CPUs without native bf16; with
+            # fp32 activations int8 was measured 10-40x slower than fp32 dense (AVX2 EPYC).
+            y = self.quantized(flat.to(torch.bfloat16)).to(x.dtype)
+        elif rows == 1 and self.one_row_mv:
+            y = torch.mv(self.weight, flat[0])[None]
+        elif rows <= self.transposed_rows:
+            y = (self.weight @ flat.T).T
+        else:
+            return F.linear(x, self.weight, self.bias)
+        y = y.view(*x.shape[:-1], -1)
         return y if self.bias is None else y + self.bias
 
 
-def _quantized(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def int8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per output channel: weight ~= int8 * scale[:, None], from the fp32 weight;
-    the scales in bf16, the activations' dtype the kernel will see (`_Proj`)."""
+    the scales in bf16, the activations' dtype the kernel will see (`_Int8`)."""
     scales = weight.float().abs().amax(dim=1).clamp(min=1e-12) / 127
     return (weight.float() / scales[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous(), scales.to(torch.bfloat16)
+
+
+def int4_codes(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 per group of `group` inputs of each output: scale = (max - min) / 15, codes
+    round((w - min) / scale) in 0..15, and the kernel's dequantisation (code - 8) * scale + zero, so
+    zero = min + 8 * scale. Returns codes [out, in] int32, scales and zeros [out, in / group] fp32."""
+    out, inputs = weight.shape
+    groups = weight.float().view(out, inputs // group, group)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scales = ((high - low) / 15).clamp(min=1e-12)
+    codes = ((groups - low[..., None]) / scales[..., None]).round().clamp(0, 15).to(torch.int32).view(out, inputs)
+    return codes, scales, low + 8 * scales
 
 
 @dataclass
@@ -155,12 +215,14 @@ class _Layer:
 class LeanWeights:
     """The packed, `dtype` copy of a live module's weights, rebuilt when any parameter changed."""
 
-    def __init__(self, model: Any, dtype: torch.dtype, int8: bool = False):
-        if int8 and (dtype not in (torch.bfloat16, torch.float32) or next(model.parameters()).device.type != "cpu"):
-            raise ValueError("int8 decode runs torch's CPU int8 weight-only kernel: a CPU model, and dtype bf16 or fp32 for the rest")
+    def __init__(self, model: Any, dtype: torch.dtype, quant: str | None = None):
+        if quant is not None and quant not in QUANT_MAX_ROWS:
+            raise ValueError(f"quant is one of {', '.join(QUANT_MAX_ROWS)} or None, not {quant!r}")
+        if quant and (dtype not in (torch.bfloat16, torch.float32) or next(model.parameters()).device.type != "cpu"):
+            raise ValueError(f"{quant} decode runs torch's CPU {quant} weight-only kernel: a CPU model, and dtype bf16 or fp32 for the rest")
         self.model = model
         self.dtype = dtype
-        self.int8 = int8
+        self.quant = quant
         base = _base(model)
         config = base.config
         self.heads = config.num_attention_heads
@@ -204,15 +266,19 @@ class LeanWeights:
             return torch.cat(parts).to(self.dtype).contiguous()
 
         transposed = self.dtype == torch.float32 and transposed_gemm_is_faster()
+        # A one-row bf16 product runs as torch.mv: on an AMX Xeon the GEMM path read the weights at
+        # 17 GB/s, torch.mv at 25 (of ~31 measured for a plain read), 1.2x the batch-1 decode rate
+        # (docs/performance.md). Multi-row products stay GEMMs (a loop of mv reads the weights per row).
+        one_row_mv = self.dtype == torch.bfloat16 and next(self.model.parameters()).device.type == "cpu"
         # Read at each rebuild: the layers gain from the transposed product only with a second thread.
         layer_rows = TRANSPOSED_MAX_ROWS if torch.get_num_threads() > 1 else 0
 
         def proj(*names: str, bias: tuple[str, ...] = (), transposed_rows: int = layer_rows) -> _Proj:
             full = torch.cat([state[n] for n in names]) if len(names) > 1 else state[names[0]]
             out = _Proj(get(names[0]) if len(names) == 1 else full.to(self.dtype).contiguous(), cat(*bias) if bias else None,
-                        transposed_rows=transposed_rows if transposed else 0)
-            if self.int8:
-                out.int8, out.scales = _quantized(full)
+                        transposed_rows=transposed_rows if transposed else 0, one_row_mv=one_row_mv)
+            if self.quant is not None:
+                out.quantized = {"int8": _Int8, "int4": _Int4}[self.quant].of(full)
             return out
 
         self.embed = get("model.embed_tokens.weight")

@@ -83,7 +83,7 @@ class EvalConfig:
                               f"--simulator is read by --mode simulator only; drop it for --mode {self.rollout.mode}")
         judge_missing(self.reward_name, self.judge)
         if self.rollout.sampler_dtype in ("f16", "q8_0"):
-            raise ConfigError(f"--sampler-dtype {self.rollout.sampler_dtype} is for train --sampler llamacpp; eval samples local models in auto, f32, bf16 or int8")
+            raise ConfigError(f"--sampler-dtype {self.rollout.sampler_dtype} is for train --sampler llamacpp; eval samples local models in auto, f32, bf16, int8 or int4")
         rewards = reward_names(self.reward_name)
         self._validate_benchmark()
         judged = [name for name in BENCHMARKS.names() if BENCHMARKS.get(name).uses_judge]

@@ -36,11 +36,12 @@ class RolloutConfig:
     continuous_batching: bool = field(
         False, help="one batch for ACT turns and rehearsed responses alike, in which rows that finish start their next turn while "
                     "the others are still generating (the local transformers sampler; docs/performance.md)")
-    sampler_dtype: Literal["auto", "f32", "bf16", "int8", "f16", "q8_0"] = field(
+    sampler_dtype: Literal["auto", "f32", "bf16", "int8", "int4", "f16", "q8_0"] = field(
         "auto", help="weights and KV cache a local model samples with: auto = bf16 where the CPU/GPU computes bf16 natively and the lean "
                      "decode path covers the model (docs/performance.md), else the model's own; f32 = the model's own numerics; "
                      "int8 = int8 weight copies for decode steps of <= 8 rows, over bf16 where the CPU has native bf16 and fp32 elsewhere "
-                     "(CPU; fastest, largest logprob mismatch); "
+                     "(CPU; faster, larger logprob mismatch); int4 = the same with int4 copies (groups of 32 inputs; "
+                     "CPU; fastest, largest mismatch); "
                      "f16 and q8_0 only for train --sampler llamacpp (whose auto is f32)")
 
     def validate(self) -> None:
@@ -51,9 +52,10 @@ class RolloutConfig:
             raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.sampler_dtype == "int8" and torch.cuda.is_available():
-            raise ConfigError("--sampler-dtype int8 runs torch's CPU int8 kernel, and this machine samples on its GPU: use bf16 (or auto)")
-        if self.sampler_dtype == "bf16":  # int8 keeps fp32 weights where bf16 is emulated
+        if self.sampler_dtype in ("int8", "int4") and torch.cuda.is_available():
+            raise ConfigError(f"--sampler-dtype {self.sampler_dtype} runs torch's CPU {self.sampler_dtype} kernel, and this machine samples on its GPU: "
+                              "use bf16 (or auto)")
+        if self.sampler_dtype == "bf16":  # int8 and int4 keep fp32 weights where bf16 is emulated
             from envace.backends.models import warn_if_bf16_is_emulated
 
             warn_if_bf16_is_emulated(f"--sampler-dtype {self.sampler_dtype}")

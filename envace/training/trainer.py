@@ -262,9 +262,9 @@ class TrainConfig(TrainingOptions):
                               "drop --continuous-batching")
         dtype = self.rollout.sampler_dtype
         if self.sampler == "hf" and dtype in ("f16", "q8_0"):
-            raise ConfigError(f"--sampler-dtype {dtype} is llama.cpp's (--sampler llamacpp); --sampler hf samples in auto, f32, bf16 or int8")
-        if self.sampler == "llamacpp" and dtype == "int8":
-            raise ConfigError("--sampler-dtype int8 is the HF sampler's (torch's int8 kernel); llama.cpp's 8-bit weights are q8_0")
+            raise ConfigError(f"--sampler-dtype {dtype} is llama.cpp's (--sampler llamacpp); --sampler hf samples in auto, f32, bf16, int8 or int4")
+        if self.sampler == "llamacpp" and dtype in ("int8", "int4"):
+            raise ConfigError(f"--sampler-dtype {dtype} is the HF sampler's (torch's {dtype} kernel); llama.cpp samples in f32, f16, bf16 or q8_0")
         if self.sampler.startswith("vllm") and dtype != "auto":
             raise ConfigError(f"--sampler-dtype is not read by --sampler {self.sampler}: vLLM samples in its own --dtype; drop --sampler-dtype")
 
@@ -585,7 +585,7 @@ class Trainer:
         update, a bf16 HF sampler, a llama.cpp or vLLM sampler): then they weight each token's loss
         (truncated importance sampling, `tis_cap`). The PPO ratio's old logprobs are the
         update's own either way, never the sampler's."""
-        exact = {"dtype": None, "int8": False}
+        exact = {"dtype": None, "quant": None}
         hf_exact = all(decode_settings(self.cfg.rollout.sampler_dtype, m) == exact for m in self._full_models().values())
         return self.cfg.sampler != "hf" or self.accelerator.mixed_precision != "no" or not hf_exact
 
