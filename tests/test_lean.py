@@ -90,23 +90,25 @@ def test_finished_rows_are_compacted_without_changing_anyone_s_output(tokenizer,
         assert out.token_ids == expected.token_ids
 
 
-def test_in_place_weight_updates_reach_the_packed_copy(tokenizer, prompts):
+@pytest.mark.parametrize("quant", [None, "int4"])
+def test_in_place_weight_updates_reach_the_packed_copy(tokenizer, prompts, quant):
     """An optimizer-style in-place update of the live module shows in the next generation (the
-    packed bf16 copy is rebuilt from the parameters' version counters), and only then."""
+    packed bf16 copy, and its int4 copies, are rebuilt from the parameters' version counters), and
+    only then. The second token is a one-row decode step: with int4 it reads the int4 copies."""
     model = tiny_model(tokenizer, seed=3)
-    gen = HFGenerator(model, tokenizer, dtype=torch.bfloat16)
-    one = SamplingParams(max_new_tokens=1, temperature=0.0)
-    [before] = gen.generate(gen.open(1), [prompts[0]], one)
+    gen = HFGenerator(model, tokenizer, dtype=torch.bfloat16, quant=quant)
+    two = SamplingParams(max_new_tokens=2, temperature=0.0)
+    [before] = gen.generate(gen.open(1), [prompts[0]], two)
     builds = gen.lean.rebuilds
-    [again] = gen.generate(gen.open(1), [prompts[0]], one)
+    [again] = gen.generate(gen.open(1), [prompts[0]], two)
     assert gen.lean.rebuilds == builds and again.token_ids == before.token_ids  # nothing changed: no rebuild
-    target = (before.token_ids[0] + 7) % model.config.vocab_size
+    target = (max(before.token_ids) + 7) % model.config.vocab_size
     with torch.no_grad():
         model.lm_head.weight[target] += 50 * model.model.norm.weight.sign()  # the argmax after any hidden state of ~positive sign
         model.model.norm.weight.abs_()
-    [after] = gen.generate(gen.open(1), [prompts[0]], one)
+    [after] = gen.generate(gen.open(1), [prompts[0]], two)
     assert gen.lean.rebuilds == builds + 1
-    assert after.token_ids == [target]
+    assert after.token_ids == [target, target]
 
 
 def test_lora_adapters_are_merged_into_the_packed_copy(tokenizer, prompts):
