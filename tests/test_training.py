@@ -613,6 +613,11 @@ def test_train_config_rejects_each_bad_option_by_name(values, option):
         build(TrainConfig, values)
 
 
+def test_training_with_an_int4_sampler_warns_about_its_mismatch():
+    with pytest.warns(UserWarning, match="int4 samples from 4-bit copies.*train with auto, bf16 or int8"):
+        build(TrainConfig, {"sampler_dtype": "int4"})
+
+
 def test_a_missing_simulator_model_fails_before_training():
     from envace.backends.models import ModelNotFoundError
 

@@ -40,8 +40,9 @@ class RolloutConfig:
         "auto", help="weights and KV cache a local model samples with: auto = bf16 where the CPU/GPU computes bf16 natively and the lean "
                      "decode path covers the model (docs/performance.md), else the model's own; f32 = the model's own numerics; "
                      "int8 = int8 weight copies for decode steps of <= 8 rows, over bf16 where the CPU has native bf16 and fp32 elsewhere "
-                     "(CPU; faster, larger logprob mismatch); int4 = the same with int4 copies (groups of 32 inputs; "
-                     "CPU; fastest, largest mismatch); "
+                     "(CPU; faster, larger logprob mismatch); int4 = the same with int4 copies of the layers (groups of 32 inputs; int8 "
+                     "for the LM head): fastest, close to the policy only for weights already near a 4-bit grid (the shipped models), "
+                     "~0.7 nats per sampled token on trained ones, so not for training at this size (docs/performance.md); "
                      "f16 and q8_0 only for train --sampler llamacpp (whose auto is f32)")
 
     def validate(self) -> None:

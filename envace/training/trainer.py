@@ -265,6 +265,10 @@ class TrainConfig(TrainingOptions):
             raise ConfigError(f"--sampler-dtype {dtype} is llama.cpp's (--sampler llamacpp); --sampler hf samples in auto, f32, bf16, int8 or int4")
         if self.sampler == "llamacpp" and dtype in ("int8", "int4"):
             raise ConfigError(f"--sampler-dtype {dtype} is the HF sampler's (torch's {dtype} kernel); llama.cpp samples in f32, f16, bf16 or q8_0")
+        if self.sampler == "hf" and dtype == "int4":
+            warnings.warn("--sampler-dtype int4 samples from 4-bit copies of the weights: on trained weights of the default model "
+                          "the sampled tokens' logprobs were 0.75-0.81 nats from the update's (bf16: 0.005), more than truncated "
+                          "importance weights correct well (docs/performance.md); train with auto, bf16 or int8", stacklevel=2)
         if self.sampler.startswith("vllm") and dtype != "auto":
             raise ConfigError(f"--sampler-dtype is not read by --sampler {self.sampler}: vLLM samples in its own --dtype; drop --sampler-dtype")
 
