@@ -11,7 +11,7 @@ over and over, from cache). Per kernel the lean decode path can run at a step's 
 and the machine's read bandwidth (a sum over 1 GiB), from which the bf16 weights' read time
 bounds a one-row step. These figures choose `lean.QUANT_MAX_ROWS` and `one_row_mv`.
 
-    python benchmarks/decode_kernels.py            # ~2 min on 2 cores
+    python benchmarks/decode_kernels.py            # ~20 s on 2 cores
 """
 
 from __future__ import annotations
