@@ -53,7 +53,8 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, kv_h
 # torch's int8 kernel reads a quarter of fp32's bytes and beat the bf16 GEMM up to 4-8 rows on
 # AVX-512 Xeons, fp32 dense up to 4-8 rows on an AVX2 EPYC (the LM head up to 12); its int4 kernel
 # (groups of INT4_GROUP inputs, a scale and a zero each) reads an eighth and beat the bf16 GEMM
-# up to 8 rows on an AMX Xeon (at 1 row 5.2 ms per token of weights against int8's 8.3, bf16's 13-19).
+# up to 8 rows on an AMX Xeon (at 1 row 4.4 ms per step of weight products against int8's 5.8 and
+# bf16's 11.6-16.9; benchmarks/decode_kernels.py).
 QUANT_MAX_ROWS = {"int8": 8, "int4": 8}
 INT4_GROUP = 32
 
@@ -141,7 +142,8 @@ class _Int4:
 
     @classmethod
     def of(cls, weight: torch.Tensor) -> "_Int4 | None":
-        """None where the kernel cannot take the shape (outputs a multiple of 16, inputs of the group)."""
+        """None where the kernel cannot take the shape: it needs outputs a multiple of 16 and inputs a
+        multiple of INT4_GROUP."""
         out, inputs = weight.shape
         if out % 16 or inputs % INT4_GROUP:
             return None
@@ -315,7 +317,7 @@ class LeanWeights:
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """transformers' x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1), as x * cos +
     (x2, x1) * (-sin1, sin2): the same products to the bit, in four elementwise ops instead of
-    seven (a batch-1 decode step runs ~60 of these, ~10 us each on a CPU)."""
+    seven, each ~2-5 us of dispatch on a decode step's few values (CPU)."""
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 

@@ -41,7 +41,7 @@ class RolloutConfig:
                      "decode path covers the model (docs/performance.md), else the model's own; f32 = the model's own numerics; "
                      "int8 = int8 weight copies for decode steps of <= 8 rows, over bf16 where the CPU has native bf16 and fp32 elsewhere "
                      "(CPU; faster, larger logprob mismatch); int4 = the same with int4 copies of the layers (groups of 32 inputs; int8 "
-                     "for the LM head): fastest, close to the policy only for weights already near a 4-bit grid (the shipped models), "
+                     "for the LM head): fastest, close to the policy only for weights already near a 4-bit grid (the shipped default model, a dequantised Q4_1), "
                      "~0.7 nats per sampled token on trained ones, so not for training at this size (docs/performance.md); "
                      "f16 and q8_0 only for train --sampler llamacpp (whose auto is f32)")
 
