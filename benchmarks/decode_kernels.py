@@ -17,29 +17,21 @@ bounds a one-row step. These figures choose `lean.QUANT_MAX_ROWS` and `one_row_m
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from envace.backends import lean
+from int8_kernels import SHAPES, microseconds  # benchmarks/ is on sys.path when a script here runs
 
 LAYERS = 30
-LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # [out, in]: qkv, o, gate/up, down
-LM_HEAD = (49152, 576)
+LAYER_SHAPES = [SHAPES[name] for name in ("qkv", "o", "gate_up", "down")]  # [out, in]
+LM_HEAD = SHAPES["lm_head"]
 
 
 def best_ms(fn: Callable[[], object], reps: int = 8) -> float:
-    """The best of three timings of `reps` steps: a shared machine's noise only ever adds time."""
-    fn()
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        best = min(best, (time.perf_counter() - start) / reps * 1e3)
-    return best
+    return microseconds(fn, reps) / 1e3  # int8_kernels' best of three
 
 
 def read_gbps() -> float:
