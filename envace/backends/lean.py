@@ -155,6 +155,9 @@ class _Int4:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_zeros)
 
 
+QUANTIZED = {cls.kind: cls for cls in (_Int8, _Int4)}  # the weight-only copies a `quant` setting names
+
+
 @dataclass
 class _Proj:
     """A projection's weight [out, in] (and bias) in the decode dtype, with a weight-only quantized
@@ -280,7 +283,7 @@ class LeanWeights:
             out = _Proj(get(names[0]) if len(names) == 1 else full.to(self.dtype).contiguous(), cat(*bias) if bias else None,
                         transposed_rows=transposed_rows if transposed else 0, one_row_mv=one_row_mv)
             if quant is not None:
-                out.quantized = {"int8": _Int8, "int4": _Int4}[quant].of(full)
+                out.quantized = QUANTIZED[quant].of(full)
             return out
 
         self.embed = get("model.embed_tokens.weight")
