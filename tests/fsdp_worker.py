@@ -14,6 +14,7 @@ from torch.distributed.fsdp import fully_shard
 
 from envace.algorithms.losses import collate, pack_shared_prefixes, ppo_loss, sequence_logprobs
 from tests.test_algorithms import plain_row, tiny_model
+from tests.worker_exit import leave_together
 
 CASES = {"untied": {}, "tied": {"tie_word_embeddings": True}}
 
@@ -51,10 +52,7 @@ def main(out: str) -> None:
             results[f"{name}/{'packed' if packed else 'plain'}"] = loss_and_grads(model, packed)
     if dist.get_rank() == 0:
         torch.save(results, out)
-    # Both ranks leave together: a rank that exits while the other is still writing closes its gloo
-    # connection under it, and gloo's background thread then aborts that rank (seen once in CI: SIGABRT).
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_together()
 
 
 if __name__ == "__main__":

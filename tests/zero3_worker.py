@@ -16,6 +16,7 @@ import torch.distributed as dist
 from envace.algorithms.losses import collate, pack_shared_prefixes, ppo_loss, sequence_logprobs
 from tests.fsdp_worker import rows
 from tests.test_algorithms import tiny_model
+from tests.worker_exit import leave_together
 
 # name -> (tiny_model overrides, LoRA rank, bf16 autocast)
 CASES = {"untied": ({}, 0, False), "tied": ({"tie_word_embeddings": True}, 0, False), "tied-bf16": ({"tie_word_embeddings": True}, 0, True),
@@ -81,10 +82,7 @@ def main(out: str) -> None:
     results = {case: sharded_step(case) for case in CASES}
     if dist.get_rank() == 0:
         torch.save(results, out)
-    # Both ranks leave together: a rank that exits while the other is still writing closes its gloo
-    # connection under it, and gloo's background thread then aborts that rank (seen once in CI: SIGABRT).
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_together()
 
 
 if __name__ == "__main__":
