@@ -66,9 +66,10 @@ def summary_table(results: dict, rows: list[str]) -> str:
     from envace.evaluation.report import pooled_success
 
     lines = [f"| row | success, training worlds ({', '.join(TRAIN_WORLDS)}) [95% CI] | success, held-out world ({', '.join(HELDOUT_WORLDS)}) [95% CI] "
-             "| partial credit | success vs warm start [95% CI] (better/worse) | partial credit vs warm start "
+             "| partial credit | episodes ended: answered / turn limit / other (tool calls per task) "
+             "| success vs warm start [95% CI] (better/worse) | partial credit vs warm start "
              f"| real-world executions in training ({' / '.join(PURPOSES)} / recording world-free tasks) | train min |",
-             "|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
     models = [("base (untrained)", "eval-base", None), ("warm start (SFT)", "eval-warm", None)]
     models += [(row, f"eval-{row}", row) for row in rows if f"compare-{row}" in results]
     for label, stage, row in models:
@@ -85,8 +86,19 @@ def summary_table(results: dict, rows: list[str]) -> str:
             calls = " / ".join([*(str(train["result"]["world_executions"][p]) for p in PURPOSES), str(recorded(train))])
             minutes = f"{train['seconds'] / 60:.1f}"
         lines.append(f"| {label} | {pooled_success(ev, set(TRAIN_WORLDS))} | {pooled_success(ev, set(HELDOUT_WORLDS))} | "
-                     f"{ev['overall']['partial_credit']:.3f} | {versus or ' | '} | {calls} | {minutes} |")
+                     f"{ev['overall']['partial_credit']:.3f} | {episode_ends(ev)} | {versus or ' | '} | {calls} | {minutes} |")
     return "\n".join(lines) + "\n"
+
+
+def episode_ends(ev: dict) -> str:
+    """How a model's test episodes ended, and how many tool calls it made per task: what GRPO
+    changed in its behaviour (a row that learns to answer instead of looping to the turn limit can
+    still lose success by answering before the task's last call)."""
+    ends, n = ev.get("end_reasons"), ev["overall"].get("n")
+    if not ends or not n:
+        return "-"
+    answered, limit = ends.get("answered", 0), ends.get("max_turns", 0)
+    return f"{answered} / {limit} / {n - answered - limit} ({ev['overall']['real_env_calls'] / n:.2f})"
 
 
 def recorded(train: dict) -> int:

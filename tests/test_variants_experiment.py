@@ -31,26 +31,29 @@ def test_every_variant_is_a_row_of_the_demos_grpo_stage_with_only_that_changed(t
     assert simulators == {"simulator": str(warm), "simulator-base": "default"}
 
 
-def overall(success: float, partial: float) -> dict:
+def overall(success: float, partial: float, ends: dict | None = None, calls: int = 0) -> dict:
     by_world = {"shop": {"n": 2, "success_rate": success}, "travel": {"n": 2, "success_rate": 0.0}}
-    return {"result": {"overall": {"success_rate": success / 2, "partial_credit": partial}, "by_world": by_world}}
+    return {"result": {"overall": {"n": 4, "success_rate": success / 2, "partial_credit": partial, "real_env_calls": calls},
+                       "by_world": by_world, "end_reasons": ends or {}}}
 
 
-def test_the_summary_counts_each_rows_world_executions_by_purpose_and_compares_it_with_the_warm_start():
+def test_the_summary_counts_each_rows_world_executions_by_purpose_how_its_episodes_ended_and_compares_it_with_the_warm_start():
     paired = {"mean_diff": 0.25, "ci95": [0.0, 0.5], "better": 1, "worse": 0}
-    results = {"eval-base": overall(0.0, 0.0), "eval-warm": overall(0.5, 0.25), "eval-act-only": overall(1.0, 0.5),
+    results = {"eval-base": overall(0.0, 0.0), "eval-warm": overall(0.5, 0.25, {"answered": 1, "max_turns": 3}, calls=14),
+               "eval-act-only": overall(1.0, 0.5, {"answered": 2, "max_turns": 1, "malformed_act": 1}, calls=9),
                "sft": {"result": {"world_executions": {"total": 76}}},
                "compare-act-only": {"success": paired, "partial_credit": paired},
                "train-act-only": {"seconds": 600.0, "result": {"world_executions": {"rollout": 0, "verification": 31, "grounding": 0, "total": 31}}}}
     lines = variants_experiment.summary_table(results, ["act-only", "real-grpo"]).splitlines()
     assert len(lines) == 5  # header, rule, base, warm start, act-only (real-grpo has not finished)
-    assert lines[2].startswith("| base (untrained) | 0.00 [") and lines[2].endswith("| 0.000 |  |  |  |  |")
+    assert lines[2].startswith("| base (untrained) | 0.00 [") and lines[2].endswith("| 0.000 | - |  |  |  |  |")  # no end reasons recorded
     assert lines[3].startswith("| warm start (SFT) | 0.50 [") and "| 76 (its SFT data) |" in lines[3]  # shop 1 of 2; the SFT data's executions
+    assert "| 0.250 | 1 / 3 / 0 (3.50) |" in lines[3]  # 1 answered, 3 at the turn limit; 14 calls over 4 tasks
     # a warm start given with --warm has no SFT stage here: its data's executions come from a trained row's manifest chain
     del results["sft"]
     results["train-act-only"]["result"]["chain_world_executions"] = {"sft_data": 182}
     assert "| 182 (its SFT data) |" in variants_experiment.summary_table(results, ["act-only"]).splitlines()[3]
-    assert lines[4] == ("| act-only | 1.00 [0.34, 1.00] (n=2) | 0.00 [0.00, 0.66] (n=2) | 0.500 | +0.250 [+0.000, +0.500] (1/0) "
+    assert lines[4] == ("| act-only | 1.00 [0.34, 1.00] (n=2) | 0.00 [0.00, 0.66] (n=2) | 0.500 | 2 / 1 / 1 (2.25) | +0.250 [+0.000, +0.500] (1/0) "
                         "| +0.250 [+0.000, +0.500] (1/0) | 0 / 31 / 0 / 0 | 10.0 |")
     # a world-free row's executions: recording its tasks' references, up front
     results |= {"compare-world-free": results["compare-act-only"], "eval-world-free": overall(1.0, 0.5),
