@@ -48,6 +48,16 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
     return parser
 
 
+def end_process_group() -> None:
+    """Tear down the process group a distributed launch (torchrun, accelerate launch) made, once the
+    command has finished: torch asks every process to, and a group left to interpreter exit keeps
+    gloo's and NCCL's threads alive into finalization (a warning, or an abort of a finished run).
+    Only after success: on an error the other processes may never reach this point."""
+    dist = sys.modules.get("torch.distributed")  # a command that never imported torch made no group
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
@@ -57,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = cfgmod.from_namespace(_load(config_spec), args)
         run: Callable[[Any], Any] = _load(fn_spec)
         run(cfg)
+        end_process_group()
     except _user_errors() as exc:
         print(f"envace {args.command}: error: {exc}", file=sys.stderr)
         return 2

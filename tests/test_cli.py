@@ -84,3 +84,26 @@ def test_eval_and_train_help_list_the_rollout_flags_with_their_defaults(capsys):
         assert "rollout options" in out and "--max-turns MAX_TURNS" in out and "--rehearse-layout {transcript,isolated}" in out
         assert f"sampling temperature (0 = greedy) {default}" in out
         assert ("--mode {real,rehearse,simulator,recorded}" in out) == (command == "eval")  # train's variant decides the mode
+
+
+def test_a_finished_command_tears_down_the_process_group_a_distributed_launch_made(monkeypatch, tmp_path):
+    """Under torchrun each process joins a group; the command destroys it once done, so gloo's and
+    NCCL's threads do not outlive it into interpreter exit. A failing command leaves it alone (the
+    other processes may never arrive)."""
+    import torch.distributed as dist
+
+    def joins_a_group(cfg, fail=False):
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store-{fail}", rank=0, world_size=1)
+        if fail:
+            raise FileNotFoundError("no such task file")
+
+    monkeypatch.setattr("envace.envs.export.export_tasks", joins_a_group)
+    assert main(["tasks", "--output", str(tmp_path / "t.jsonl")]) == 0
+    assert not dist.is_initialized()
+    monkeypatch.setattr("envace.envs.export.export_tasks", lambda cfg: joins_a_group(cfg, fail=True))
+    try:
+        assert main(["tasks", "--output", str(tmp_path / "t.jsonl")]) == 2
+        assert dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
