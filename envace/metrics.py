@@ -11,7 +11,7 @@ from typing import Any
 from envace.envs.base import TOOL_EXCEPTION
 from envace.fidelity import summarize, trajectory_fidelity
 from envace.rewards import multiset_f1
-from envace.types import CallStatus, Role, Task, Trajectory
+from envace.types import CallStatus, EndReason, Role, Task, Trajectory
 
 
 def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -134,6 +134,11 @@ def summarize_records(records: list[dict[str, Any]], wall_seconds: float | None 
         "verification_calls": sum(r["verification_calls"] for r in records),
         "tool_exceptions": sum(r["tool_exceptions"] for r in records),
         "malformed": sum(sum(r["penalties"].values()) for r in records),
+        # How episodes ended: GRPO that only teaches a looping model to stop answers earlier and
+        # calls less, which success alone does not tell apart from learning the task.
+        "calls_per_task": sum(r["num_calls"] for r in records) / n,
+        "answered_rate": sum(r["end_reason"] == EndReason.ANSWERED.value for r in records) / n,
+        "turn_limit_rate": sum(r["end_reason"] == EndReason.MAX_TURNS.value for r in records) / n,
     }
     with_ref = [r for r in records if "tool_f1" in r]
     if with_ref:

@@ -34,6 +34,12 @@ def test_records_and_summary_hand_computed():
     assert s["success_rate"] == 0.5 and s["seconds_per_task"] == 5.0
     assert s["tool_f1"] == pytest.approx((1.0 + 2 / 3) / 2)
     assert s["tokens_per_task"] == 5
+    # how the episodes ended: 3 calls over 2 tasks; a third that hit the turn limit after 4 calls
+    assert (s["calls_per_task"], s["answered_rate"], s["turn_limit_rate"]) == (1.5, 1.0, 0.0)
+    looped = scored_traj(0.0, ["a", "a", "a", "a"])
+    looped.end_reason = EndReason.MAX_TURNS
+    s = summarize_records([good, half, trajectory_record(task, looped)])
+    assert s["calls_per_task"] == pytest.approx(7 / 3) and s["answered_rate"] == pytest.approx(2 / 3) and s["turn_limit_rate"] == pytest.approx(1 / 3)
 
 
 def test_fidelity_comes_from_the_typed_real_observations():

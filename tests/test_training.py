@@ -526,7 +526,7 @@ def test_each_step_reports_what_its_sampler_generated(tmp_path, task_file, conti
     """sampler/<stream>/generated_tokens is the step's own count: every ACT and REHEARSE token of
     the step's rollouts (the envace variant samples both roles from one policy stream), not the
     generator's running total; with continuous batching too (a paused row's tokens count once)."""
-    from envace.types import Role
+    from envace.types import EndReason, Role
 
     trainer = Trainer(build(TrainConfig, dict(SMALL, tasks=task_file, output_dir=str(tmp_path / "run"), steps=2, continuous_batching=continuous_batching)))
     rollout, groups = trainer.rollout, []
@@ -538,14 +538,18 @@ def test_each_step_reports_what_its_sampler_generated(tmp_path, task_file, conti
         assert metrics["sampler/policy-rehearse/generated_tokens"] == sampled > 0
         assert metrics["time/sampler/policy-rehearse/generated_tokens_per_s"] > 0  # clock values are time/ metrics
         assert not any(k.startswith("sampler/") and k.endswith(("seconds", "_per_s")) for k in metrics)
+        # how the step's episodes ended: the same rollouts' calls and end reasons
+        trajs = [t for g in step_groups for t in g]
+        assert metrics["calls_per_task"] == pytest.approx(sum(len(t.tool_calls) for t in trajs) / len(trajs))
+        assert metrics["answered_rate"] == pytest.approx(sum(t.end_reason == EndReason.ANSWERED for t in trajs) / len(trajs))
 
 
 def test_counted_metrics_are_summed_over_processes_the_rest_averaged():
     from envace.training.trainer import is_count
 
     keys = ("policy/tokens/act", "policy/tokens", "malformed", "fidelity/calls", "sampler/policy-rehearse/generated_tokens", "sampler/policy-rehearse/syncs",
-            "policy/trained_tokens", "env/rollout_step", "reward/act", "tokens_per_task", "time/sampler/policy-rehearse/seconds")
-    assert [is_count(k) for k in keys] == [True] * 6 + [False] * 5
+            "policy/trained_tokens", "env/rollout_step", "reward/act", "tokens_per_task", "calls_per_task", "answered_rate", "time/sampler/policy-rehearse/seconds")
+    assert [is_count(k) for k in keys] == [True] * 6 + [False] * 7
 
 
 def test_process_metrics_merge_when_the_processes_report_different_keys():

@@ -18,6 +18,8 @@ COLUMNS = [
     ("tool_f1", "tool F1", "{:.3f}"),
     ("fidelity/exact", "fid. exact", "{:.3f}"),
     ("fidelity/field_f1", "fid. field F1", "{:.3f}"),
+    ("calls_per_task", "calls/task", "{:.2f}"),
+    ("answered_rate", "answered", "{:.2f}"),
     ("tokens_per_task", "tokens/task", "{:.0f}"),
     ("seconds_per_task", "s/task", "{:.1f}"),
     ("real_env_calls", "real calls", "{:d}"),

@@ -669,7 +669,8 @@ class Trainer:
         local = (WorldExecutions.of(tr for g in groups for tr in g) + (other or WorldExecutions())).as_dict()
         step_calls = WorldExecutions.from_dict({k: global_sum(self.accelerator, v) for k, v in local.items()})
         self.world_calls += step_calls
-        keys = ("success_rate", "partial_credit", "mean_reward", "tokens_per_task", "malformed", "tool_exceptions", "fidelity/exact", "fidelity/field_f1", "fidelity/calls")
+        keys = ("success_rate", "partial_credit", "mean_reward", "tokens_per_task", "calls_per_task", "answered_rate", "turn_limit_rate",
+                "malformed", "tool_exceptions", "fidelity/exact", "fidelity/field_f1", "fidelity/calls")
         out = {k if k != "mean_reward" else "reward/mean": summary[k] for k in keys if k in summary} | reward_component_means(groups)
         # Step and run totals per purpose (env/<purpose>_step, env/<purpose>_total); global already.
         return out | {f"env/{k}_{span}": v for span, calls in (("step", step_calls), ("total", self.world_calls)) for k, v in calls.as_dict().items()}
