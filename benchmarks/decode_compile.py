@@ -5,6 +5,7 @@ same 437-token tool prompt, then the greedy tokens of both compared.
 
     python benchmarks/decode_compile.py                    # 1-3 min on 2 cores (compiling: ~45 s with Inductor's cache warm, ~2 min cold)
     python benchmarks/decode_compile.py --products linear  # the one-row products as F.linear, not torch.mv
+    python benchmarks/decode_compile.py --products opaque --sampler-dtype int4  # the products as opaque custom ops: Inductor compiles only the rest
 """
 
 from __future__ import annotations
@@ -18,10 +19,43 @@ from envace.backends import HFGenerator, SamplingParams, lean, load_model
 from step_speed import decode_rate, tool_prompt  # benchmarks/ is on sys.path when a script here runs
 
 
+PRODUCTS: list = []  # the lean projections the custom op below runs, by index
+
+
+@torch.library.custom_op("envace_bench::product", mutates_args=())
+def product(x: torch.Tensor, index: int) -> torch.Tensor:
+    return PRODUCTS[index](x)
+
+
+@product.register_fake
+def _(x: torch.Tensor, index: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], PRODUCTS[index].weight.shape[0])
+
+
+class OpaqueProduct:
+    """A lean projection called through `product`: to Dynamo and Inductor one opaque op."""
+
+    def __init__(self, proj) -> None:  # type: ignore[no-untyped-def]
+        self.index = len(PRODUCTS)
+        PRODUCTS.append(proj)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.envace_bench.product(x, self.index)
+
+
+def make_products_opaque(weights) -> None:  # type: ignore[no-untyped-def]
+    weights.lm_head = OpaqueProduct(weights.lm_head)
+    for layer in weights.layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            setattr(layer, name, OpaqueProduct(getattr(layer, name)))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sampler-dtype", default="bf16", choices=["f32", "bf16", "int8", "int4"])
-    p.add_argument("--products", default="mv", choices=["mv", "linear"], help="how one-row bf16 products run (lean's default: mv)")
+    p.add_argument("--products", default="mv", choices=["mv", "linear", "opaque"],
+                   help="how one-row bf16 products run (lean's default: mv); opaque: every product (as lean runs it) is a custom op "
+                        "Inductor calls but cannot look into, so it fuses only the work between the products")
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(2)
@@ -32,6 +66,9 @@ def main() -> None:
         weights = generator.lean.current()
         for proj in [weights.lm_head, *(p for layer in weights.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down))]:
             proj.one_row_mv = False
+
+    if args.products == "opaque":
+        make_products_opaque(generator.lean.current())
 
     eager = lean.StaticBatch._forward
     compiled = torch.compile(eager.__wrapped__, dynamic=True)  # the forward without its inference_mode wrapper

@@ -134,8 +134,8 @@ def summarize_records(records: list[dict[str, Any]], wall_seconds: float | None 
         "verification_calls": sum(r["verification_calls"] for r in records),
         "tool_exceptions": sum(r["tool_exceptions"] for r in records),
         "malformed": sum(sum(r["penalties"].values()) for r in records),
-        # How episodes ended: GRPO that only teaches a looping model to stop answers earlier and
-        # calls less, which success alone does not tell apart from learning the task.
+        # How episodes ended: a policy that learned to stop looping, or to stop too early, can score
+        # like one that learned the task; its calls and end reasons tell them apart.
         "calls_per_task": sum(r["num_calls"] for r in records) / n,
         "answered_rate": sum(r["end_reason"] == EndReason.ANSWERED.value for r in records) / n,
         "turn_limit_rate": sum(r["end_reason"] == EndReason.MAX_TURNS.value for r in records) / n,
