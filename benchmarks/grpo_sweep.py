@@ -236,22 +236,28 @@ def steps_plot(results: dict, rows: list[str], path: Path) -> Path | None:
     """Per run evaluated at more than one step count (continued rows): the change in greedy
     success and partial credit against its warm start, task by task (the paired mean difference
     with its 95% bootstrap CI), against GRPO steps."""
+    runs = [[r for r in run if f"compare-{r}" in results] for run in chains(rows)]
+    points = {", ".join(f"{k}={v}" for k, v in ROWS[run[0]].items() if k != "rl_steps"): [(ROWS[r]["rl_steps"], results[f"compare-{r}"]) for r in run]
+              for run in runs if len(run) > 1}
+    return paired_steps_plot(points, path)
+
+
+def paired_steps_plot(runs: dict[str, list[tuple[int, dict]]], path: Path) -> Path | None:
+    """`runs`: per label, (GRPO steps, that model's paired comparisons with the warm start:
+    {"success": ..., "partial_credit": ...}) at each step count evaluated. Draws the paired mean
+    difference with its 95% CI against the steps, from 0 at the warm start."""
     from matplotlib.figure import Figure
 
-    runs = [[r for r in run if f"compare-{r}" in results] for run in chains(rows)]
-    runs = [run for run in runs if len(run) > 1]
     if not runs:
         return None
     fig = Figure(figsize=(10, 4))
     for ax, metric in zip(fig.subplots(1, 2), ("success", "partial_credit")):
-        for run in runs:
-            paired = [results[f"compare-{r}"][metric] for r in run]
-            steps = [0] + [ROWS[r]["rl_steps"] for r in run]
+        for label, points in runs.items():
+            paired = [cmp[metric] for _, cmp in points]
             diff = [0.0] + [p["mean_diff"] for p in paired]
             low = [0.0] + [p["mean_diff"] - p["ci95"][0] for p in paired]
             high = [0.0] + [p["ci95"][1] - p["mean_diff"] for p in paired]
-            label = ", ".join(f"{k}={v}" for k, v in ROWS[run[0]].items() if k != "rl_steps")
-            ax.errorbar(steps, diff, yerr=[low, high], marker="o", capsize=3, label=label)
+            ax.errorbar([0] + [steps for steps, _ in points], diff, yerr=[low, high], marker="o", capsize=3, label=label)
         ax.axhline(0.0, color="grey", linewidth=0.8)
         ax.set(xlabel="GRPO steps", ylabel=f"{metric.replace('_', ' ')} - the warm start's", title=f"{metric.replace('_', ' ')} vs warm start (paired, 95% CI)")
     return save_plot(fig, fig.axes, path)

@@ -5,6 +5,7 @@ worlds' test split and the held-out world) and compared task by task with the wa
     python benchmarks/variants_experiment.py --out runs/experiment                  # every row, 120 test tasks
     python benchmarks/variants_experiment.py --out runs/experiment --warm runs/demo/sft/final --rows envace,act-only
     python benchmarks/variants_experiment.py --out runs/exp120 --warm runs/demo/sft/final --trained runs/exp40 --steps 3   # runs/exp40 (--steps 3 --eval-per-world 8) trained these; evaluated on 120 tasks
+    python benchmarks/variants_experiment.py --steps-from runs/exp6,runs/exp12 --rows envace,act-only --out runs/exp12   # one seed at 6 and 12 steps: a learning curve
 
 Rerun the same command to continue after an interruption: finished stages are kept in
 results.json, and a GRPO run resumes from its last checkpoint (saved every --save-every steps).
@@ -140,12 +141,61 @@ def curves_plot(results: dict, rows: list[str], path: Path) -> Path | None:
     return grpo_sweep.save_plot(fig, (by_step, by_cost), path)
 
 
+def greedy_outcomes(evaluation: Path) -> list[tuple]:
+    """What a greedy evaluation decided per task (its tokens, calls, ending and scores), without its
+    timings: equal for two evaluations of the same model on the same tasks."""
+    keys = ("task_id", "total_tokens", "num_calls", "end_reason", "success", "partial_credit")
+    return [tuple(r[k] for k in keys) for r in map(json.loads, (evaluation / "records.jsonl").read_text().splitlines())]
+
+
+def steps_from(outs: list[Path], rows: list[str], png: Path) -> str:
+    """Finished runs of one seed that differ only in --steps, as points of one learning curve per
+    row: with a constant learning rate and per-step seeds, a longer run's first steps are the
+    shorter run's (checked here only as far as the warm starts: their test records must match).
+    Returns a table of greedy test success / partial credit per step count, each model paired
+    with the warm start and with the previous step count, and draws the paired differences."""
+    from envace.demo import compare
+
+    runs = [(out, json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else {}) for out in outs]
+    for out, results in runs:
+        if missing := [row for row in rows if f"compare-{row}" not in results]:
+            raise SystemExit(f"--steps-from {out}: no finished rows {missing} there (results.json)")
+    warm_records = [greedy_outcomes(out / "eval-warm") for out, _ in runs]
+    if any(records != warm_records[0] for records in warm_records[1:]):
+        raise SystemExit(f"--steps-from: {', '.join(map(str, outs))} have different warm starts (their eval-warm records differ): "
+                         "they are not points of one learning curve (same --seed and SFT settings, --steps only)")
+    runs.sort(key=lambda run: run[1][f"curve-{rows[0]}"][-1]["step"])
+    lines = ["| row | GRPO steps | success / partial credit | vs warm start: success / partial credit [95% CI] (better/worse) "
+             "| vs the previous step count: success / partial credit |", "|---|---|---|---|---|"]
+    points: dict[str, list[tuple[int, dict]]] = {}
+    for row in rows:
+        before = runs[0][0] / "eval-warm"
+        warm = runs[0][1]["eval-warm"]["result"]["overall"]
+        lines.append(f"| {row} | 0 (warm start) | {warm['success_rate']:.3f} / {warm['partial_credit']:.3f} | | |")
+        for out, results in runs:
+            steps, after = results[f"curve-{row}"][-1]["step"], results[f"eval-{row}"]["result"]["overall"]
+            versus_warm, versus_previous = results[f"compare-{row}"], compare(before, out / f"eval-{row}")
+            previous = "" if before.name == "eval-warm" else " / ".join(grpo_sweep.paired(versus_previous[k]) for k in ("success", "partial_credit"))
+            lines.append(f"| {row} | {steps} | {after['success_rate']:.3f} / {after['partial_credit']:.3f} | "
+                         f"{grpo_sweep.paired(versus_warm['success'])} / {grpo_sweep.paired(versus_warm['partial_credit'])} | {previous} |")
+            points.setdefault(row, []).append((steps, versus_warm))
+            before = out / f"eval-{row}"
+    grpo_sweep.paired_steps_plot(points, png)
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     grpo_sweep.add_sweep_options(p, "runs/experiment", VARIANT_ROWS, eval_per_world=24)
     p.add_argument("--steps", type=int, default=6, help="GRPO steps per row (the demo's rl_tasks_per_step tasks x rl_k rollouts each)")
     p.add_argument("--save-every", type=int, default=2, help="checkpoint each GRPO run every N steps: an interrupted run resumes from there")
+    p.add_argument("--steps-from", default=None, help="comma-separated finished runs of one seed that differ only in --steps: print --rows' "
+                   "test success per step count (paired with the warm start and the previous count), draw it to --out/steps.png, and run nothing")
     args = p.parse_args()
+    if args.steps_from:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        print(steps_from([Path(o) for o in args.steps_from.split(",")], args.rows.split(","), Path(args.out) / "steps.png"))
+        return
     if args.steps < 1 or args.save_every < 1:
         raise SystemExit("--steps and --save-every must be >= 1")
     out, rows = Path(args.out), args.rows.split(",")

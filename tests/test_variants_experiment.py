@@ -67,3 +67,40 @@ def test_the_curves_put_each_rows_reward_against_steps_and_against_real_world_ex
     path = variants_experiment.curves_plot(results, ["envace", "real-grpo"], tmp_path / "curves.png")
     assert path is not None and Path(path).read_bytes()[:4] == b"\x89PNG"
     assert variants_experiment.curves_plot({}, ["envace"], tmp_path / "none.png") is None and not (tmp_path / "none.png").exists()
+
+
+def finished_run(out: Path, steps: int, warm: list[float], row: list[float], versus_warm: dict) -> Path:
+    """A finished run of the row "envace" at `steps` steps: its warm start's and the row's greedy
+    test records (success per task of t0..t3, partial credit the same), and the results.json
+    entries `steps_from` reads."""
+    import json
+
+    for name, scores in (("eval-warm", warm), ("eval-envace", row)):
+        (out / name).mkdir(parents=True)
+        records = [{"task_id": f"t{i}", "total_tokens": 10, "num_calls": 1, "end_reason": "answered", "success": s, "partial_credit": s}
+                   for i, s in enumerate(scores)]
+        (out / name / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    results = {"eval-warm": {"result": {"overall": {"success_rate": sum(warm) / 4, "partial_credit": sum(warm) / 4}}},
+               "eval-envace": {"result": {"overall": {"success_rate": sum(row) / 4, "partial_credit": sum(row) / 4}}},
+               "compare-envace": {"success": versus_warm, "partial_credit": versus_warm}, "curve-envace": [{"step": s} for s in range(1, steps + 1)]}
+    (out / "results.json").write_text(json.dumps(results))
+    return out
+
+
+def test_runs_that_differ_only_in_steps_are_one_learning_curve_and_other_warm_starts_are_refused(tmp_path):
+    import pytest
+
+    warm = [0.0, 0.0, 1.0, 0.0]
+    paired = {"mean_diff": 0.25, "ci95": [0.0, 0.5], "better": 1, "worse": 0}
+    twelve = finished_run(tmp_path / "twelve", 12, warm, [1.0, 1.0, 0.0, 0.0], paired)
+    six = finished_run(tmp_path / "six", 6, warm, [1.0, 0.0, 1.0, 0.0], paired)
+    text = variants_experiment.steps_from([twelve, six], ["envace"], tmp_path / "steps.png")  # any order: sorted by steps
+    lines = text.splitlines()[2:]
+    assert lines[0] == "| envace | 0 (warm start) | 0.250 / 0.250 | | |"
+    assert lines[1].startswith("| envace | 6 | 0.500 / 0.500 | +0.250 [+0.000, +0.500] (1/0) / +0.250") and lines[1].endswith("|  |")
+    # 12 against 6, task by task: t1 gained, t2 lost, t0 and t3 the same: mean 0
+    assert lines[2].startswith("| envace | 12 | 0.500 / 0.500 |") and "| +0.000 [" in lines[2] and "(1/1) / +0.000" in lines[2]
+    assert (tmp_path / "steps.png").read_bytes()[:4] == b"\x89PNG"
+    other = finished_run(tmp_path / "other", 6, [1.0, 0.0, 1.0, 0.0], [1.0, 0.0, 1.0, 0.0], paired)
+    with pytest.raises(SystemExit, match="different warm starts"):
+        variants_experiment.steps_from([twelve, other], ["envace"], tmp_path / "refused.png")
