@@ -319,14 +319,21 @@ def table(results: dict, rows: list[str], defs: dict[str, dict] = ROWS) -> str:
     return "\n".join(lines) + "\n"
 
 
+def finished_sweep(out: Path, rows: list[str], option: str) -> dict:
+    """The results.json of a sweep `option` (a flag that reads finished sweeps) was given, refused
+    unless every row of `rows` ran to the end there."""
+    finished = json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else {}
+    if missing := [row for row in rows if f"compare-{row}" not in finished]:
+        raise SystemExit(f"{option} {out}: no finished rows {missing} there (results.json); give sweeps that ran these --rows to the end")
+    return finished
+
+
 def pooled_table(outs: list[Path], rows: list[str]) -> str:
     """The rows over several finished sweeps of the same rows (one per seed, each on its own test
     tasks): each row against its warm start, and each row against the first, paired over the
     tasks of all the sweeps."""
     for out in outs:
-        finished = json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else {}
-        if missing := [row for row in rows if f"compare-{row}" not in finished]:
-            raise SystemExit(f"--pool {out}: no finished rows {missing} there (results.json); pool sweeps that ran these --rows to the end")
+        finished_sweep(out, rows, "--pool")
 
     def evals(row: str) -> list[Path]:
         return [out / f"eval-{row}" for out in outs]

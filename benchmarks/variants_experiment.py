@@ -148,6 +148,11 @@ def greedy_outcomes(evaluation: Path) -> list[tuple]:
     return [tuple(r[k] for k in keys) for r in map(json.loads, (evaluation / "records.jsonl").read_text().splitlines())]
 
 
+def pair_metrics(comparison: dict) -> tuple[dict, dict]:
+    """A model's paired comparisons (`envace.demo.compare`): success's, then partial credit's."""
+    return comparison["success"], comparison["partial_credit"]
+
+
 def steps_from(outs: list[Path], rows: list[str], png: Path) -> str:
     """Finished runs of one seed that differ only in --steps, as points of one learning curve per
     row: with a constant learning rate and per-step seeds, a longer run's first steps are the
@@ -156,10 +161,7 @@ def steps_from(outs: list[Path], rows: list[str], png: Path) -> str:
     with the warm start and with the previous step count, and draws the paired differences."""
     from envace.demo import compare
 
-    runs = [(out, json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else {}) for out in outs]
-    for out, results in runs:
-        if missing := [row for row in rows if f"compare-{row}" not in results]:
-            raise SystemExit(f"--steps-from {out}: no finished rows {missing} there (results.json)")
+    runs = [(out, grpo_sweep.finished_sweep(out, rows, "--steps-from")) for out in outs]
     warm_records = [greedy_outcomes(out / "eval-warm") for out, _ in runs]
     if any(records != warm_records[0] for records in warm_records[1:]):
         raise SystemExit(f"--steps-from: {', '.join(map(str, outs))} have different warm starts (their eval-warm records differ): "
@@ -174,10 +176,11 @@ def steps_from(outs: list[Path], rows: list[str], png: Path) -> str:
         lines.append(f"| {row} | 0 (warm start) | {warm['success_rate']:.3f} / {warm['partial_credit']:.3f} | | |")
         for out, results in runs:
             steps, after = results[f"curve-{row}"][-1]["step"], results[f"eval-{row}"]["result"]["overall"]
-            versus_warm, versus_previous = results[f"compare-{row}"], compare(before, out / f"eval-{row}")
-            previous = "" if before.name == "eval-warm" else " / ".join(grpo_sweep.paired(versus_previous[k]) for k in ("success", "partial_credit"))
+            versus_warm = results[f"compare-{row}"]
+            # the first count's previous is the warm start: already the column before
+            previous = "" if before.name == "eval-warm" else " / ".join(map(grpo_sweep.paired, pair_metrics(compare(before, out / f"eval-{row}"))))
             lines.append(f"| {row} | {steps} | {after['success_rate']:.3f} / {after['partial_credit']:.3f} | "
-                         f"{grpo_sweep.paired(versus_warm['success'])} / {grpo_sweep.paired(versus_warm['partial_credit'])} | {previous} |")
+                         f"{' / '.join(map(grpo_sweep.paired, pair_metrics(versus_warm)))} | {previous} |")
             points.setdefault(row, []).append((steps, versus_warm))
             before = out / f"eval-{row}"
     grpo_sweep.paired_steps_plot(points, png)
