@@ -170,19 +170,22 @@ class _Proj:
     one_row_mv: bool = False  # a one-row bf16 CPU product runs as torch.mv (`LeanWeights._build`)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        flat = x.reshape(rows, x.shape[-1])
+        """x [tokens, in] -> [tokens, out]. Every call is on a decode step's path, so it issues no op
+        it does not need: at batch 1 a token is ~1,700 dispatched ops, ~2-3 us each."""
+        rows = x.shape[0]
         if self.quantized is not None and rows <= QUANT_MAX_ROWS[self.quantized.kind]:
             # The kernels' fast path takes bf16 activations, also on CPUs without native bf16; with
             # fp32 activations int8 was measured 10-40x slower than fp32 dense (AVX2 EPYC).
-            y = self.quantized(flat.to(torch.bfloat16)).to(x.dtype)
+            if x.dtype == torch.bfloat16:
+                y = self.quantized(x)
+            else:
+                y = self.quantized(x.to(torch.bfloat16)).to(x.dtype)
         elif rows == 1 and self.one_row_mv:
-            y = torch.mv(self.weight, flat[0])[None]
+            y = torch.mv(self.weight, x[0])[None]
         elif rows <= self.transposed_rows:
-            y = (self.weight @ flat.T).T
+            y = (self.weight @ x.T).T
         else:
             return F.linear(x, self.weight, self.bias)
-        y = y.view(*x.shape[:-1], -1)
         return y if self.bias is None else y + self.bias
 
 
@@ -361,6 +364,8 @@ class StaticBatch:
                     self.cache[0, layer, row, :, width_past - n_past:width_past] = k[0]
                     self.cache[1, layer, row, :, width_past - n_past:width_past] = v[0]
         self.length = width_past  # columns written so far
+        # No padding anywhere (one row, or rows of equal lengths): a decode step needs no mask.
+        self.dense = all(n_past == width_past for n_past in past) and all(len(c) == width_new for c in chunks)
         self.pad_id = pad_id
         self.live = list(range(rows))  # internal row of each row the caller sees
 
@@ -393,14 +398,21 @@ class StaticBatch:
         # Each key/value head's `group` query heads become `group` query rows (q head h uses kv
         # head h // group, as transformers' repeat_kv), so attention reads the cache once, uncopied.
         # An additive mask made once per forward: SDPA would convert a boolean one in every layer.
-        bias = torch.zeros(mask.shape, dtype=w.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-        attn_mask = bias[:, None, :, None, :].expand(rows, 1, n, group, end).reshape(rows, 1, n * group, end) if n > 1 else bias[:, None]
-        x = F.embedding(ids, w.embed)
+        # Without padding a decode step's mask is all True: none at all, one op less per layer.
+        if n == 1 and self.dense:
+            attn_mask = None
+        else:
+            bias = torch.zeros(mask.shape, dtype=w.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+            attn_mask = bias[:, None, :, None, :].expand(rows, 1, n, group, end).reshape(rows, 1, n * group, end) if n > 1 else bias[:, None]
+        # Every layer's cache up to the newest column, as views made once per forward (not two
+        # indexing ops per layer and tensor): the decode step's op count is its cost at few rows.
+        cache = self.cache[..., :end, :]
+        layer_keys, layer_values = cache[0].unbind(0), cache[1].unbind(0)
+        x = F.embedding(ids.view(-1), w.embed)  # [rows * n, hidden]: the products take it as is
         hidden = x.shape[-1]
-        for i, layer in enumerate(w.layers):
+        for layer, keys, values in zip(w.layers, layer_keys, layer_values):
             h = F.rms_norm(x, (hidden,), layer.norm_in, w.eps)
-            qkv = layer.qkv(h)
-            v = qkv[..., q_size + kv_size:]
+            qkv = layer.qkv(h).view(rows, n, -1)
             if layer.q_norm is None:  # q and k rotate as one tensor: half the elementwise calls
                 qk = _rotate(qkv[..., :q_size + kv_size].view(rows, n, w.heads + w.kv_heads, w.head_dim), cos, sin)
                 q, k = qk[:, :, :w.heads], qk[:, :, w.heads:]
@@ -408,17 +420,24 @@ class StaticBatch:
                 q, k = qkv[..., :q_size].view(rows, n, w.heads, w.head_dim), qkv[..., q_size:q_size + kv_size].view(rows, n, w.kv_heads, w.head_dim)
                 q = _rotate(F.rms_norm(q, (w.head_dim,), layer.q_norm, w.eps), cos, sin)
                 k = _rotate(F.rms_norm(k, (w.head_dim,), layer.k_norm, w.eps), cos, sin)
-            keys, values = self.cache[0, i], self.cache[1, i]
-            keys[:, :, start:end] = k.transpose(1, 2)
-            values[:, :, start:end] = v.view(rows, n, w.kv_heads, w.head_dim).transpose(1, 2)
-            q = q.view(rows, n, w.kv_heads, group, w.head_dim).transpose(1, 2).reshape(rows, w.kv_heads, n * group, w.head_dim)
-            out = F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], attn_mask=attn_mask, scale=w.scaling)
-            out = out.view(rows, w.kv_heads, n, group, w.head_dim).transpose(1, 2).reshape(rows, n, q_size)
-            x = x + layer.o(out)
+            v = qkv[..., q_size + kv_size:].view(rows, n, w.kv_heads, w.head_dim)
+            if n == 1:  # a decode step: one column per row, and no axis to transpose
+                keys[:, :, start] = k[:, 0]
+                values[:, :, start] = v[:, 0]
+                q = q.view(rows, w.kv_heads, group, w.head_dim)
+            else:
+                keys[:, :, start:end] = k.transpose(1, 2)
+                values[:, :, start:end] = v.transpose(1, 2)
+                q = q.view(rows, n, w.kv_heads, group, w.head_dim).transpose(1, 2).reshape(rows, w.kv_heads, n * group, w.head_dim)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, scale=w.scaling)
+            if n > 1:
+                out = out.view(rows, w.kv_heads, n, group, w.head_dim).transpose(1, 2)
+            x = x + layer.o(out.reshape(rows * n, q_size))
             h = F.rms_norm(x, (hidden,), layer.norm_post, w.eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
         # The LM head (a fifth of the weights, ~40% of a few-row decode step) only for live rows.
+        x = x.view(rows, n, hidden)
         last = x[:, -1] if len(self.live) == rows else x[self.live, -1]
         return w.lm_head(F.rms_norm(last, (hidden,), w.norm, w.eps))
 
@@ -442,6 +461,7 @@ class StaticBatch:
         """Keep only these live rows; compact the cache once finished rows exceed a quarter of it."""
         self.live = [self.live[r] for r in rows]
         total = self.valid.shape[0]
+        self.dense = self.dense and len(self.live) == total  # a finished row's next columns stay invalid
         if total - len(self.live) <= total // 4:
             return
         index = torch.tensor(self.live, device=self.valid.device)
@@ -452,3 +472,4 @@ class StaticBatch:
         self.input_ids = self.input_ids[index]
         self.length -= start
         self.live = list(range(len(index)))
+        self.dense = bool(self.valid[:, :self.length].all())
