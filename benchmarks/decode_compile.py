@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from envace.backends import HFGenerator, SamplingParams, lean, load_model
-from step_speed import decode_rate, tool_prompt  # benchmarks/ is on sys.path when a script here runs
+from envace.backends import SamplingParams, lean
+from step_speed import decode_rate, probe_setup  # benchmarks/ is on sys.path when a script here runs
 
 
 PRODUCTS: list = []  # the lean projections the custom op below runs, by index
@@ -58,10 +58,7 @@ def main() -> None:
                         "Inductor calls but cannot look into, so it fuses only the work between the products")
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
-    torch.set_num_threads(2)
-    model, tokenizer = load_model("default", dtype=torch.float32)
-    prompt = tool_prompt(tokenizer)
-    generator = HFGenerator(model, tokenizer, **lean.decode_settings(args.sampler_dtype, model))
+    generator, prompt = probe_setup(args.sampler_dtype)
     if args.products == "linear":
         weights = generator.lean.current()
         for proj in [weights.lm_head, *(p for layer in weights.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down))]:

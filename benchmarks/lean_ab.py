@@ -17,10 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
-from envace.backends import HFGenerator, SamplingParams, hf, lean, load_model
-from step_speed import decode_rate, tool_prompt  # benchmarks/ is on sys.path when a script here runs
+from envace.backends import HFGenerator, SamplingParams, hf, lean
+from step_speed import decode_rate, probe_setup  # benchmarks/ is on sys.path when a script here runs
 
 
 def lean_at(revision: str):  # type: ignore[no-untyped-def]
@@ -59,10 +57,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
-    torch.set_num_threads(2)
-    model, tokenizer = load_model("default", dtype=torch.float32)
-    prompt = tool_prompt(tokenizer)
-    generator = HFGenerator(model, tokenizer, **lean.decode_settings(args.sampler_dtype, model))
+    generator, prompt = probe_setup(args.sampler_dtype)
     versions = {f"before ({args.before})": lean_at(args.before), "this tree": lean}
     rates: dict[str, dict[int, list[float]]] = {name: {b: [] for b in args.batches} for name in versions}
     outputs = {}

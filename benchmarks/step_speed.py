@@ -90,6 +90,14 @@ def tool_prompt(tokenizer: Any) -> list[int]:
     return Transcript(tokenizer).prompt(task.messages, description, tools).token_ids
 
 
+def probe_setup(sampler_dtype: str) -> tuple[HFGenerator, list[int]]:
+    """The decode probes' setup (decode_compile.py, lean_ab.py): 2 threads, the default model's
+    generator in `sampler_dtype` (`--sampler-dtype`), and the tool prompt."""
+    torch.set_num_threads(2)
+    model, tokenizer = load_model("default", dtype=torch.float32)
+    return HFGenerator(model, tokenizer, **decode_settings(sampler_dtype, model)), tool_prompt(tokenizer)
+
+
 def decode_rate(generator: Any, prompt: list[int], batch: int, new_tokens: int) -> dict[str, float]:
     """`batch` sessions fed `prompt` and one token generated (the prefill, timed), then
     `new_tokens` more generated with nothing new fed: pure decode over the cached prompt (timed).
