@@ -39,7 +39,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from benchmarks import grpo_sweep
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repo root, where `benchmarks` is a package
+from benchmarks import grpo_sweep  # noqa: E402
 from envace.demo import DemoConfig
 
 UNGROUNDED = {"rl_rehearse_sft_coef": 0.0}
