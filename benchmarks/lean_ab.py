@@ -35,10 +35,12 @@ def lean_at(revision: str):  # type: ignore[no-untyped-def]
     return module
 
 
-def use(generator: HFGenerator, module) -> None:  # type: ignore[no-untyped-def]
-    """Make `generator` (and every HF generator) decode with `module`'s lean path."""
+def use(generator: HFGenerator, version) -> None:  # type: ignore[no-untyped-def]
+    """Make `generator` (and every HF generator) decode with a version's lean path: its module's
+    batch class and the packed weights it built (once: packing int4 copies takes seconds)."""
+    module, weights = version
     hf.StaticBatch = module.StaticBatch
-    generator.lean = module.LeanWeights(generator.model, generator.lean.dtype, quant=generator.lean.quant).current()
+    generator.lean = weights
 
 
 def greedy(generator: HFGenerator, prompt: list[int], tokens: int) -> list[int]:
@@ -58,15 +60,17 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
     generator, prompt = probe_setup(args.sampler_dtype)
-    versions = {f"before ({args.before})": lean_at(args.before), "this tree": lean}
+    modules = {f"before ({args.before})": lean_at(args.before), "this tree": lean}
+    versions = {name: (module, module.LeanWeights(generator.model, generator.lean.dtype, quant=generator.lean.quant).current())
+                for name, module in modules.items()}
     rates: dict[str, dict[int, list[float]]] = {name: {b: [] for b in args.batches} for name in versions}
     outputs = {}
-    for name, module in versions.items():  # warm-up, and the greedy tokens of each
-        use(generator, module)
+    for name, version in versions.items():  # warm-up, and the greedy tokens of each
+        use(generator, version)
         outputs[name] = greedy(generator, prompt, args.new_tokens)
     for round_ in range(args.rounds):
-        for name, module in versions.items():
-            use(generator, module)
+        for name, version in versions.items():
+            use(generator, version)
             for batch in args.batches:
                 rates[name][batch].append(decode_rate(generator, prompt, batch, args.new_tokens)["tok_per_s"])
         print(f"round {round_ + 1}: " + "; ".join(f"{name} " + ", ".join(f"b{b} {rates[name][b][-1]:.1f}" for b in args.batches) for name in versions), flush=True)
